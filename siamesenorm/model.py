@@ -1,0 +1,49 @@
+"""build_model and the parameter count of a whole model, computed from its config."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from olmo.config import ModelConfig
+from olmo.model import OLMo
+
+from .config import as_siamese_config, resolve_model_type, validate_model_config
+from .registry import block_params, forced_model_type
+from .topologies.base import linear_params, norm_params
+
+__all__ = ["build_model", "num_params_from_config"]
+
+log = logging.getLogger(__name__)
+
+
+def build_model(model_config: ModelConfig, model_type: Optional[str] = None, init_params: bool = True) -> OLMo:
+    """An ``olmo.model.OLMo`` whose blocks are ``model_type``'s.
+
+    ``model_type`` None means: the MODEL_TYPE environment variable, else ``model_config.model_type``, else pre.
+    The returned model's ``config.model_type`` names the type it was built with.
+    """
+    resolved, source = resolve_model_type(model_config, model_type)
+    validate_model_config(model_config, resolved)
+    if getattr(model_config, "model_type", None) not in (None, resolved):
+        log.warning("MODEL_TYPE=%s (from %s) overrides model.model_type=%s", resolved, source, model_config.model_type)
+    log.info("MODEL_TYPE=%s (from %s)", resolved, source)
+    config = as_siamese_config(model_config, model_type=resolved)
+    with forced_model_type(resolved):
+        return OLMo(config, init_params=init_params)
+
+
+def num_params_from_config(model_config: ModelConfig, model_type: Optional[str] = None) -> int:
+    """Total parameters of ``build_model(model_config, model_type)``, without building it."""
+    resolved, _ = resolve_model_type(model_config, model_type)
+    validate_model_config(model_config, resolved)
+    config = as_siamese_config(model_config, model_type=resolved)
+    vocab = config.embedding_size or config.vocab_size
+    n = vocab * config.d_model + norm_params(config)  # wte, ln_f
+    if not (config.alibi or config.rope):
+        n += config.max_sequence_length * config.d_model  # wpe
+    if not config.weight_tying:
+        n += linear_params(config, config.d_model, vocab)
+    if config.embedding_layer_norm:
+        n += norm_params(config)
+    return n + sum(block_params(config, resolved, i) for i in range(config.n_layers))

@@ -1,0 +1,87 @@
+"""The one registry: MODEL_TYPE string -> block class, and the hook that puts it into OLMo's block factory.
+
+``install_hook()`` (run on ``import siamesenorm``) replaces ``olmo.model.OLMoBlock.build``: a model type other than
+``pre`` builds our block; ``pre`` goes to OLMo's own factory. ``changes.patch`` adds the same delegation to an
+OLMo source tree, calling ``block_for`` below.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+from typing import Optional, Type
+
+from olmo.config import ModelConfig
+from olmo.model import BufferCache, OLMoBlock
+
+from .config import MODEL_TYPES, resolve_model_type, validate_model_config
+from .topologies.base import TopologyBlock, sequential_block_params
+from .topologies.hc import HyperConnectionBlock
+from .topologies.hybrid import HybridNormBlock
+from .topologies.hybrid_pre import SiameseHybridPreBlock
+from .topologies.post import PostNormBlock
+from .topologies.post_pre import SiamesePostPreBlock
+
+__all__ = ["BLOCKS", "block_class", "block_for", "install_hook", "forced_model_type", "block_params"]
+
+log = logging.getLogger(__name__)
+
+#: MODEL_TYPE -> block class. None: OLMo's own factory (OLMoSequentialBlock), i.e. stock Pre-Norm.
+BLOCKS: dict[str, Optional[Type[TopologyBlock]]] = {
+    "pre": None,
+    "post": PostNormBlock,
+    "hybrid": HybridNormBlock,
+    "hc": HyperConnectionBlock,
+    "post_pre": SiamesePostPreBlock,
+    "hybrid_pre": SiameseHybridPreBlock,
+}
+assert tuple(BLOCKS) == MODEL_TYPES
+
+_forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("siamesenorm_forced_model_type", default=None)
+_olmo_build = OLMoBlock.build.__func__  # OLMo's own factory, kept for ``pre``
+
+
+@contextlib.contextmanager
+def forced_model_type(model_type: Optional[str]):
+    """Within the block, every block built uses ``model_type`` whatever MODEL_TYPE or the config says."""
+    token = _forced.set(model_type)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+def block_class(model_type: str) -> Optional[Type[TopologyBlock]]:
+    if model_type not in BLOCKS:
+        validate_model_config(ModelConfig(), model_type)  # raises the one-line error listing valid names
+    return BLOCKS[model_type]
+
+
+def block_for(layer_id: int, config: ModelConfig, cache: BufferCache) -> Optional[OLMoBlock]:
+    """Our block for this layer, or None when OLMo's own factory should build it (``pre``)."""
+    model_type, source = resolve_model_type(config, _forced.get())
+    validate_model_config(config, model_type)
+    if layer_id == 0:
+        log.info("Building OLMo blocks with MODEL_TYPE=%s (from %s)", model_type, source)
+    cls = block_class(model_type)
+    return None if cls is None else cls(layer_id, config, cache)
+
+
+def _hooked_build(cls, layer_id: int, config: ModelConfig, cache: BufferCache) -> OLMoBlock:
+    block = block_for(layer_id, config, cache)
+    return block if block is not None else _olmo_build(cls, layer_id, config, cache)
+
+
+def install_hook() -> None:
+    """Make OLMo's block factory honour MODEL_TYPE / model.model_type. Idempotent."""
+    if getattr(OLMoBlock.build, "__func__", None) is not _hooked_build:
+        OLMoBlock.build = classmethod(_hooked_build)  # type: ignore[method-assign]
+
+
+def block_params(config: ModelConfig, model_type: str, layer_id: int) -> int:
+    """Parameters of block ``layer_id``, computed from the config alone."""
+    cls = block_class(model_type)
+    if cls is None:
+        return sequential_block_params(config)
+    return cls.num_params_from_config(config, layer_id)

@@ -1,0 +1,193 @@
+"""What every topology shares: OLMo's sequential block cut into its two branches, and the stacked-stream state.
+
+A block maps one tensor to one tensor, as OLMo's model loop expects. A topology with n streams carries them
+concatenated on the feature axis, shape (B, T, n * d_model): block 0 widens the embedding into n streams and the
+last block fuses them back to (B, T, d_model), so OLMo's own final norm ``ln_f`` is the topology's final norm and
+everything that happens between blocks (KV cache, activation checkpointing, FSDP wrapping, block groups,
+``last_logits_only``) sees one tensor and works unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, ClassVar, Optional, Tuple
+
+import torch
+from olmo.config import ModelConfig
+from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
+
+from ..config import depth_scale
+
+__all__ = ["TopologyBlock", "TwoStreamBlock", "norm_params", "linear_params", "sequential_block_params"]
+
+KVCache = Optional[Tuple[torch.Tensor, torch.Tensor]]
+
+
+def norm_params(config: ModelConfig, size: Optional[int] = None, elementwise_affine: Optional[bool] = None) -> int:
+    """Parameters of one LayerNormBase.build(config, size, elementwise_affine) module."""
+    size = size or config.d_model
+    affine = elementwise_affine or (elementwise_affine is None and config.layer_norm_with_affine)
+    if not affine:
+        return 0
+    use_bias = config.bias_for_layer_norm if config.bias_for_layer_norm is not None else config.include_bias
+    return size * (2 if use_bias else 1)
+
+
+def linear_params(config: ModelConfig, fan_in: int, fan_out: int) -> int:
+    return fan_in * fan_out + (fan_out if config.include_bias else 0)
+
+
+def hidden_size(config: ModelConfig) -> int:
+    return config.mlp_hidden_size if config.mlp_hidden_size is not None else config.mlp_ratio * config.d_model
+
+
+def sequential_block_params(config: ModelConfig) -> int:
+    """Parameters of OLMo's OLMoSequentialBlock, computed from the config alone."""
+    d = config.d_model
+    head_dim = d // config.n_heads
+    qkv = d + 2 * config.effective_n_kv_heads * head_dim
+    act_mult = 0.5 if str(config.activation_type) == "swiglu" else 1.0
+    n = linear_params(config, d, qkv) + linear_params(config, d, d)
+    n += linear_params(config, d, hidden_size(config)) + linear_params(config, int(act_mult * hidden_size(config)), d)
+    n += 2 * norm_params(config)  # attn_norm, ff_norm
+    if config.attention_layer_norm:
+        affine = config.attention_layer_norm_with_affine
+        n += norm_params(config, d, affine) + norm_params(config, config.effective_n_kv_heads * head_dim, affine)
+    return n
+
+
+class TopologyBlock(OLMoSequentialBlock):
+    """OLMo's sequential block with its forward replaced by a topology; its weights and attention are reused.
+
+    Subclasses set ``n_streams``, write ``forward`` with ``attention_branch`` / ``mlp_branch`` and give
+    ``extra_params`` (parameters they add to, or remove from, OLMo's block) so the count can be checked.
+    """
+
+    n_streams: ClassVar[int] = 1
+    #: OLMo block norms this topology does not use (removed so DDP sees no unused parameter).
+    unused_olmo_norms: ClassVar[Tuple[str, ...]] = ()
+
+    def __init__(self, layer_id: int, config: ModelConfig, cache: BufferCache):
+        super().__init__(layer_id, config, cache)
+        self.removed_norms = self.removed_olmo_norms(config)
+        for name in self.removed_norms:
+            delattr(self, name)
+        self.is_first = layer_id == 0
+        self.is_last = layer_id == config.n_layers - 1
+
+    # ---- parameters -------------------------------------------------------------------------------------
+    def new_norm(self, size: Optional[int] = None, elementwise_affine: Optional[bool] = None) -> LayerNormBase:
+        return LayerNormBase.build(self.config, size=size, elementwise_affine=elementwise_affine)
+
+    def reset_parameters(self):
+        # OLMo's reset touches attn_norm / ff_norm; a topology may have removed one, so reset what exists.
+        for name in self.removed_norms:
+            setattr(self, name, _NoNorm())
+        try:
+            super().reset_parameters()
+        finally:
+            for name in self.removed_norms:
+                delattr(self, name)
+        for module in self.children():
+            if isinstance(module, LayerNormBase):
+                module.reset_parameters()
+
+    @classmethod
+    def removed_olmo_norms(cls, config: ModelConfig) -> Tuple[str, ...]:
+        return cls.unused_olmo_norms
+
+    @classmethod
+    def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
+        """Parameters this block has beyond (or, negative, below) OLMo's sequential block."""
+        return -len(cls.removed_olmo_norms(config)) * norm_params(config)
+
+    @classmethod
+    def num_params_from_config(cls, config: ModelConfig, layer_id: int) -> int:
+        return sequential_block_params(config) + cls.extra_params(config, layer_id)
+
+    # ---- computation ------------------------------------------------------------------------------------
+    def ckpt(self, fn: Callable, *args, **kwargs):
+        """Run ``fn`` under OLMo's fine-grained activation checkpointing when it is on."""
+        if self._activation_checkpoint_fn is not None:
+            return self._activation_checkpoint_fn(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    def attention_branch(
+        self,
+        h: torch.Tensor,
+        attention_bias: Optional[torch.Tensor],
+        layer_past: KVCache,
+        use_cache: bool,
+        max_doc_len: Optional[int],
+        cu_doc_lens: Optional[torch.Tensor],
+    ) -> Tuple[torch.Tensor, KVCache]:
+        """dropout(Attn(h)) with OLMo's projections and attention; h: (B, T, d_model), no norm applied here."""
+        qkv = self.att_proj(h)
+        if self.config.clip_qkv is not None:
+            qkv = qkv.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)
+        q, k, v = qkv.split(self.fused_dims, dim=-1)
+        att, cache = self.ckpt(
+            self.attention,
+            q,
+            k,
+            v,
+            attention_bias,
+            layer_past=layer_past,
+            use_cache=use_cache,
+            max_doc_len=max_doc_len,
+            cu_doc_lens=cu_doc_lens,
+        )
+        return self.dropout(att), cache
+
+    def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
+        """dropout(MLP(h)) with OLMo's ff_proj, activation and ff_out; no norm applied here."""
+        h = self.ff_proj(h)
+        h = self.ckpt(self.act, h)
+        return self.dropout(self.ff_out(h))
+
+    def norm(self, module: LayerNormBase, x: torch.Tensor) -> torch.Tensor:
+        return self.ckpt(module, x)
+
+    # ---- stacked streams --------------------------------------------------------------------------------
+    def split_streams(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """(B, T, n * d) -> n tensors (B, T, d); block 0 receives the embedding and copies it into every stream."""
+        if self.is_first:
+            return [x] * self.n_streams
+        return list(x.chunk(self.n_streams, dim=-1))
+
+    @staticmethod
+    def stack_streams(streams: list[torch.Tensor]) -> torch.Tensor:
+        return torch.cat(streams, dim=-1)
+
+
+def two_stream_fusion_params(config: ModelConfig, layer_id: int) -> int:
+    """out_norm_x and out_norm_y, in the last block only."""
+    return 2 * norm_params(config) if layer_id == config.n_layers - 1 else 0
+
+
+class TwoStreamBlock(TopologyBlock):
+    """Shared by both SiameseNorm blocks: two stacked streams, depth scale, final fusion in the last block."""
+
+    n_streams = 2
+
+    def __init__(self, layer_id, config, cache):
+        super().__init__(layer_id, config, cache)
+        self.depth_scale = depth_scale(config, layer_id)
+        if self.is_last:
+            self.out_norm_x = self.new_norm()
+            self.out_norm_y = self.new_norm()
+
+    def finish(self, x_stream: torch.Tensor, y_stream: torch.Tensor) -> torch.Tensor:
+        if self.is_last:  # fuse; OLMo's ln_f follows
+            return self.norm(self.out_norm_x, x_stream) + self.norm(self.out_norm_y, y_stream)
+        return self.stack_streams([x_stream, y_stream])
+
+    @classmethod
+    def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
+        return super().extra_params(config, layer_id) + two_stream_fusion_params(config, layer_id)
+
+
+class _NoNorm:
+    """Stand-in for a removed norm while OLMo's reset_parameters runs."""
+
+    def reset_parameters(self):
+        pass

@@ -1,0 +1,114 @@
+"""Hyper-Connections, dynamic (DHC; Zhu et al., arXiv 2409.19606), expansion rate n (``hc_expansion_rate``).
+
+The residual stream is n copies H = (h_1 .. h_n), each (B, T, d). Every sublayer F (attention, MLP; each with
+OLMo's Pre-Norm inside: F(LN(.))) gets its own hyper-connection with
+
+    static  A_s in R^{n x (1+n)}, initialised to [e_(l mod n) | I_n];   B_s in R^n, initialised to ones
+    dynamic A(H) = A_s + s_a * tanh(norm(H) W_a),   W_a in R^{d x (1+n)} initialised to 0,  s_a = 0.01
+            B(H) = B_s + s_b * tanh(norm(H) w_b),   w_b in R^d initialised to 0,            s_b = 0.01
+
+    input  = sum_s A[s, 0] h_s                       (width connection)
+    h_j   <- sum_s A[s, 1+j] h_s + B_j * F(input)    (depth connection)
+
+At initialisation layer l (both of its sublayers) reads stream l mod n and adds its output to every stream, so
+all streams stay equal to the Pre-Norm state. The embedding is copied into every stream by block 0, and the last
+block sums the streams; OLMo's ``ln_f`` follows.
+
+    h_1 ---A---+-------------------(+ B_1 F)---> h_1
+    h_2 ---A---+--> input --LN--F--+
+     ...       |                   (+ B_j F)---> h_j
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+from olmo.config import ModelConfig
+
+from .base import TopologyBlock, norm_params
+
+__all__ = ["HyperConnection", "HyperConnectionBlock"]
+
+_DYNAMIC_SCALE_INIT = 0.01
+
+
+class HyperConnection(nn.Module):
+    """The width and depth connections around one sublayer."""
+
+    def __init__(self, block: TopologyBlock, n: int, read_stream: int):
+        super().__init__()
+        d, device = block.config.d_model, block.config.init_device
+        self.n, self.read_stream = n, read_stream
+        self.norm = block.new_norm()
+        self.static_alpha = nn.Parameter(torch.zeros(n, 1 + n, device=device))
+        self.static_beta = nn.Parameter(torch.ones(n, device=device))
+        self.dynamic_alpha_fn = nn.Parameter(torch.zeros(d, 1 + n, device=device))
+        self.dynamic_alpha_scale = nn.Parameter(torch.full((1,), _DYNAMIC_SCALE_INIT, device=device))
+        self.dynamic_beta_fn = nn.Parameter(torch.zeros(d, device=device))
+        self.dynamic_beta_scale = nn.Parameter(torch.full((1,), _DYNAMIC_SCALE_INIT, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        self.norm.reset_parameters()
+        with torch.no_grad():
+            self.static_alpha.zero_()
+            self.static_alpha[self.read_stream, 0] = 1.0
+            self.static_alpha[:, 1:] = torch.eye(self.n, device=self.static_alpha.device)
+            self.static_beta.fill_(1.0)
+            self.dynamic_alpha_fn.zero_()
+            self.dynamic_beta_fn.zero_()
+            self.dynamic_alpha_scale.fill_(_DYNAMIC_SCALE_INIT)
+            self.dynamic_beta_scale.fill_(_DYNAMIC_SCALE_INIT)
+
+    def width(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h: (B, T, n, d) -> branch input (B, T, d), carried streams (B, T, n, d), beta (B, T, n)."""
+        normed = self.norm(h)
+        alpha = self.static_alpha + self.dynamic_alpha_scale * torch.tanh(normed @ self.dynamic_alpha_fn.to(h.dtype))
+        beta = self.static_beta + self.dynamic_beta_scale * torch.tanh(normed @ self.dynamic_beta_fn.to(h.dtype))
+        mixed = torch.einsum("btsd,btsk->btkd", h, alpha.to(h.dtype))  # (B, T, 1 + n, d)
+        return mixed[:, :, 0], mixed[:, :, 1:], beta.to(h.dtype)
+
+    @staticmethod
+    def depth(carried: torch.Tensor, beta: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return carried + beta.unsqueeze(-1) * out.unsqueeze(-2)
+
+    @staticmethod
+    def num_params(config: ModelConfig, n: int) -> int:
+        d = config.d_model
+        return norm_params(config) + n * (1 + n) + n + d * (1 + n) + 1 + d + 1
+
+
+class HyperConnectionBlock(TopologyBlock):
+    """``attn_norm`` / ``ff_norm`` keep their Pre-Norm role inside each branch."""
+
+    def __init__(self, layer_id, config, cache):
+        super().__init__(layer_id, config, cache)
+        self.n_streams = config.hc_expansion_rate
+        read = layer_id % self.n_streams
+        self.attn_hc = HyperConnection(self, self.n_streams, read)
+        self.ff_hc = HyperConnection(self, self.n_streams, read)
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        self.attn_hc.reset_parameters()
+        self.ff_hc.reset_parameters()
+
+    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+        if self.is_first:  # embedding (B, T, d) -> n equal streams (B, T, n, d)
+            h = x.unsqueeze(-2).expand(*x.shape[:-1], self.n_streams, x.shape[-1])
+        else:
+            h = x.unflatten(-1, (self.n_streams, -1))
+        inp, carried, beta = self.attn_hc.width(h)
+        att, cache = self.attention_branch(
+            self.norm(self.attn_norm, inp), attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens
+        )
+        h = self.attn_hc.depth(carried, beta, att)
+        inp, carried, beta = self.ff_hc.width(h)
+        h = self.ff_hc.depth(carried, beta, self.mlp_branch(self.norm(self.ff_norm, inp)))
+        if self.is_last:
+            return h.sum(dim=-2), cache
+        return h.flatten(-2), cache
+
+    @classmethod
+    def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
+        return super().extra_params(config, layer_id) + 2 * HyperConnection.num_params(config, config.hc_expansion_rate)

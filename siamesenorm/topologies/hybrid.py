@@ -1,0 +1,59 @@
+"""HybridNorm (Zhuo et al., 2025): QKV-norm inside attention, Post-Norm on the FFN side.
+
+    X'      = X + Attn(X)              Attn normalises Q, K and V per head (RMS/LayerNorm over head_dim)
+                                       before RoPE; there is no norm on the attention input
+    U       = LN(X')                   (``ff_norm``)
+    X_{i+1} = U + FFN(U)               the FFN input and its residual are the normalised U;
+                                       the block output is not normalised
+
+Reference: the HybridNorm OLMo 1.2B config (see docs/architecture.md).
+"""
+
+from __future__ import annotations
+
+import torch
+from olmo.config import ModelConfig
+
+from .base import TopologyBlock, norm_params
+
+__all__ = ["QKVHeadNormAttention", "HybridNormBlock"]
+
+
+def _per_head(norm, t: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Apply ``norm`` (over head_dim) to every head of t: (B, T, heads * head_dim)."""
+    shape = t.shape
+    return norm(t.view(*shape[:-1], shape[-1] // head_dim, head_dim)).view(shape).to(t.dtype)
+
+
+class QKVHeadNormAttention(TopologyBlock):
+    """A block whose attention normalises Q, K and V per head before RoPE (OLMo applies RoPE inside ``attention``)."""
+
+    def __init__(self, layer_id, config, cache):
+        super().__init__(layer_id, config, cache)
+        self.head_dim = config.d_model // config.n_heads
+        affine = config.attention_layer_norm_with_affine
+        self.q_head_norm = self.new_norm(self.head_dim, elementwise_affine=affine)
+        self.k_head_norm = self.new_norm(self.head_dim, elementwise_affine=affine)
+        self.v_head_norm = self.new_norm(self.head_dim, elementwise_affine=affine)
+
+    def attention(self, q, k, v, *args, **kwargs):
+        q = _per_head(self.q_head_norm, q, self.head_dim)
+        k = _per_head(self.k_head_norm, k, self.head_dim)
+        v = _per_head(self.v_head_norm, v, self.head_dim)
+        return super().attention(q, k, v, *args, **kwargs)  # RoPE is applied in there, after our norms
+
+    @classmethod
+    def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
+        head_dim = config.d_model // config.n_heads
+        return super().extra_params(config, layer_id) + 3 * norm_params(
+            config, head_dim, config.attention_layer_norm_with_affine
+        )
+
+
+class HybridNormBlock(QKVHeadNormAttention):
+    unused_olmo_norms = ("attn_norm",)
+
+    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+        att, cache = self.attention_branch(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        u = self.norm(self.ff_norm, x + att)
+        return u + self.mlp_branch(u), cache

@@ -1,0 +1,41 @@
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import siamesenorm  # noqa: E402  (installs the hook)
+from siamesenorm import SiameseModelConfig  # noqa: E402
+
+
+def tiny_config(**overrides) -> SiameseModelConfig:
+    """A few-thousand-parameter OLMo: RMSNorm, RoPE, SwiGLU, weight tying, no dropout, fp32 on CPU."""
+    values = dict(
+        d_model=32,
+        n_heads=4,
+        n_layers=3,
+        mlp_ratio=4,
+        vocab_size=96,
+        embedding_size=128,
+        max_sequence_length=64,
+        rope=True,
+        include_bias=False,
+        layer_norm_type="rms",
+        attention_dropout=0.0,
+        residual_dropout=0.0,
+        embedding_dropout=0.0,
+        weight_tying=True,
+        eos_token_id=0,
+        pad_token_id=0,
+        init_device="cpu",
+    )
+    values.update(overrides)
+    return SiameseModelConfig(**values)
+
+
+@pytest.fixture(autouse=True)
+def _no_model_type_env(monkeypatch):
+    monkeypatch.delenv("MODEL_TYPE", raising=False)
+    torch.manual_seed(0)

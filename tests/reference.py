@@ -1,0 +1,157 @@
+"""Each variant's equations written out with plain torch ops, reading the weights of a built model.
+
+Independent of siamesenorm's blocks: the tests compare the blocks against these. RMSNorm models only.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+def rms(x, weight, eps):
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return x if weight is None else x * weight
+
+
+def rope(t, theta=10_000):
+    """OLMo's RoPE convention (rotate_half over the two halves of head_dim); t: (B, heads, T, hd)."""
+    hd, T = t.shape[-1], t.shape[-2]
+    inv = 1.0 / (theta ** (torch.arange(0, hd, 2, dtype=torch.float) / hd))
+    ang = torch.einsum("i,j->ij", torch.arange(T, dtype=torch.float), inv)
+    pos = torch.cat((ang, ang), dim=-1)
+    x1, x2 = t.chunk(2, dim=-1)
+    return t * pos.cos() + torch.cat((-x2, x1), dim=-1) * pos.sin()
+
+
+class Ref:
+    def __init__(self, model):
+        self.m, self.c = model, model.config
+        self.eps = self.c.layer_norm_eps
+        self.p = dict(model.named_parameters())
+
+    def w(self, name):
+        p = self.p.get(name + ".weight")
+        return p
+
+    def norm(self, name, x):
+        return rms(x, self.w(name), self.eps)
+
+    def attn(self, i, h, head_norms=False, norm_then_rope=True):
+        c, b = self.c, f"transformer.blocks.{i}."
+        B, T, d = h.shape
+        nh, hd = c.n_heads, d // c.n_heads
+        q, k, v = (h @ self.p[b + "att_proj.weight"].T).split([d, d, d], dim=-1)
+        q, k, v = (t.view(B, T, nh, hd).transpose(1, 2) for t in (q, k, v))
+        if head_norms and norm_then_rope:
+            q, k, v = (self.norm(b + n, t) for n, t in (("q_head_norm", q), ("k_head_norm", k), ("v_head_norm", v)))
+        q, k = rope(q), rope(k)
+        if head_norms and not norm_then_rope:
+            q, k, v = (self.norm(b + n, t) for n, t in (("q_head_norm", q), ("k_head_norm", k), ("v_head_norm", v)))
+        a = (q @ k.transpose(-1, -2)) / math.sqrt(hd)
+        a = a.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf")).softmax(-1)
+        out = (a @ v).transpose(1, 2).reshape(B, T, d)
+        return out @ self.p[b + "attn_out.weight"].T
+
+    def mlp(self, i, h):
+        b = f"transformer.blocks.{i}."
+        x, gate = (h @ self.p[b + "ff_proj.weight"].T).chunk(2, dim=-1)
+        return (F.silu(gate) * x) @ self.p[b + "ff_out.weight"].T
+
+    def logits(self, x):
+        x = self.norm("transformer.ln_f", x)
+        return x @ self.p["transformer.wte.weight"].T
+
+    def embed(self, ids):
+        return self.p["transformer.wte.weight"][ids]
+
+    def depth_scale(self, i):
+        if not self.c.siamese_depth_scaling:
+            return 1.0
+        return math.sqrt(i + 1) if self.c.siamese_depth_scaling_form == "inv_sqrt_layer" else math.sqrt(2 * (i + 1))
+
+    # ---- the variants --------------------------------------------------------------------------------------
+    def pre(self, ids):
+        x = self.embed(ids)
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            x = x + self.attn(i, self.norm(b + "attn_norm", x))
+            x = x + self.mlp(i, self.norm(b + "ff_norm", x))
+        return self.logits(x)
+
+    def post(self, ids):
+        x = self.embed(ids)
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            x = self.norm(b + "attn_norm", x + self.attn(i, x))
+            x = self.norm(b + "ff_norm", x + self.mlp(i, x))
+        return self.logits(x)
+
+    def hybrid(self, ids, norm_then_rope=True):
+        x = self.embed(ids)
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            u = self.norm(b + "ff_norm", x + self.attn(i, x, head_norms=True, norm_then_rope=norm_then_rope))
+            x = u + self.mlp(i, u)
+        return self.logits(x)
+
+    def post_pre(self, ids):
+        X = Y = self.embed(ids)
+        ni = self.c.siamese_normalized_input
+        last = self.c.n_layers - 1
+        for i in range(self.c.n_layers):
+            b, cl = f"transformer.blocks.{i}.", self.depth_scale(i)
+            for sub, fn in (("attn", self.attn), ("ff", self.mlp)):
+                H = X + self.norm(b + sub + "_norm_y", Y)
+                O = fn(i, self.norm(b + sub + "_norm", H) if ni else H)
+                X = self.norm(b + sub + "_norm_x", X + O / cl)
+                Y = Y + O
+        b = f"transformer.blocks.{last}."
+        return self.logits(self.norm(b + "out_norm_x", X) + self.norm(b + "out_norm_y", Y))
+
+    def hybrid_pre(self, ids):
+        X = Y = self.embed(ids)
+        last = self.c.n_layers - 1
+        for i in range(self.c.n_layers):
+            b, cl = f"transformer.blocks.{i}.", self.depth_scale(i)
+            h = self.p[b + "gamma"] * X + self.norm(b + "attn_norm_y", Y)
+            r = self.attn(i, h, head_norms=True)
+            X = X + r / cl
+            Y = Y + r
+            X = self.norm(b + "attn_norm_x", X)
+            M = X + self.norm(b + "ff_norm_y", Y)
+            if self.c.siamese_normalized_input:
+                M = self.norm(b + "ff_norm", M)
+            o = self.mlp(i, M)
+            Y = Y + o
+            X = X + o / cl
+        b = f"transformer.blocks.{last}."
+        return self.logits(self.norm(b + "out_norm_x", X) + self.norm(b + "out_norm_y", Y))
+
+    def hc(self, ids):
+        n = self.c.hc_expansion_rate
+        e = self.embed(ids)
+        streams = [e.clone() for _ in range(n)]
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            for sub, fn in (("attn", self.attn), ("ff", self.mlp)):
+                hc = b + sub + "_hc."
+                A_s, B_s = self.p[hc + "static_alpha"], self.p[hc + "static_beta"]
+                Wa, wb = self.p[hc + "dynamic_alpha_fn"], self.p[hc + "dynamic_beta_fn"]
+                sa, sb = self.p[hc + "dynamic_alpha_scale"], self.p[hc + "dynamic_beta_scale"]
+                normed = [self.norm(hc + "norm", h) for h in streams]
+                # A[s, k] and B[j] per token
+                A = [[A_s[s, k] + sa * torch.tanh(normed[s] @ Wa[:, k]) for k in range(n + 1)] for s in range(n)]
+                Bt = [B_s[j] + sb * torch.tanh(normed[j] @ wb) for j in range(n)]
+                inp = sum(A[s][0].unsqueeze(-1) * streams[s] for s in range(n))
+                out = fn(i, self.norm(b + sub + "_norm", inp))
+                streams = [
+                    sum(A[s][1 + j].unsqueeze(-1) * streams[s] for s in range(n)) + Bt[j].unsqueeze(-1) * out
+                    for j in range(n)
+                ]
+        return self.logits(sum(streams))
+
+    def __call__(self, ids, model_type):
+        return getattr(self, model_type)(ids)
