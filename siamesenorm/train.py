@@ -266,7 +266,7 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
     device = init_distributed()
     from olmo.data import build_train_dataloader
     from olmo.eval import build_evaluators
-    from olmo.optim import build_optimizer, build_scheduler
+    from olmo.optim import build_scheduler
     from olmo.torch_util import barrier, get_global_rank, get_local_rank, get_world_size, seed_all
 
     if device.type == "cpu":
@@ -313,7 +313,8 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
     cfg.save_overwrite = overwrite or resuming_here  # OLMo refuses an existing train_data/ folder otherwise
     train_loader = build_train_dataloader(cfg)
     cfg.save_overwrite = overwrite
-    evaluators = build_evaluators(cfg, device)
+    # OLMo loads the tokenizer even for no evaluators, which fails when a test model's vocabulary differs.
+    evaluators = build_evaluators(cfg, device) if cfg.evaluators else []
     barrier()
 
     olmo_model = build_model(cfg.model, model_type)
@@ -321,7 +322,7 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
     olmo_model.set_activation_checkpointing(cfg.activation_checkpointing)
     dist_model = wrap_model(cfg, olmo_model, device, get_local_rank())
 
-    optim = build_optimizer(cfg, dist_model)
+    optim = build_optimizer_with_coefficients(cfg, dist_model)
     scheduler = build_scheduler(cfg)
     with SiameseTrainer(
         cfg=cfg,
@@ -350,6 +351,50 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
     return 0
 
 
+def build_optimizer_with_coefficients(cfg: SiameseTrainConfig, model: torch.nn.Module):
+    """OLMo's optimizer, with the topologies' free coefficients (hybrid_pre's gamma, hc's alpha/beta) in the
+    no-weight-decay group: OLMo's grouping only knows Linear, Embedding and norm parameters and would refuse them.
+    They are mixing weights initialised away from zero, so they are treated like norm scales."""
+    from unittest import mock
+
+    import torch.nn as nn
+    from olmo import optim as olmo_optim
+    from olmo.model import LayerNormBase
+
+    known = (nn.Linear, nn.Embedding, nn.LayerNorm, LayerNormBase)
+    coefficients = {
+        f"{mn}.{pn}" if mn else pn: p
+        for mn, m in model.named_modules()
+        if not isinstance(m, known)
+        for pn, p in m.named_parameters(recurse=False)
+        if p.requires_grad
+    }
+
+    olmo_groups = olmo_optim.get_param_groups
+
+    def param_groups(cfg, model):
+        for p in coefficients.values():
+            p.requires_grad_(False)
+        try:
+            groups = olmo_groups(cfg, model)
+        finally:
+            for p in coefficients.values():
+                p.requires_grad_(True)
+        if coefficients:
+            no_decay = [g for g in groups if g.get("weight_decay") == 0.0]
+            if not no_decay:
+                groups.append({**{k: v for k, v in groups[0].items() if k not in ("params", "param_names")},
+                               "params": [], "param_names": [], "weight_decay": 0.0})
+                no_decay = groups[-1:]
+            names = sorted(coefficients)
+            no_decay[0]["params"] = no_decay[0]["params"] + [coefficients[n] for n in names]
+            no_decay[0]["param_names"] = no_decay[0]["param_names"] + names
+        return groups
+
+    with mock.patch.object(olmo_optim, "get_param_groups", param_groups):
+        return olmo_optim.build_optimizer(cfg, model)
+
+
 def wrap_model(cfg: SiameseTrainConfig, olmo_model, device: torch.device, local_rank: int):
     if cfg.distributed_strategy == DistributedStrategy.ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -367,7 +412,7 @@ def wrap_model(cfg: SiameseTrainConfig, olmo_model, device: torch.device, local_
             use_orig_params=cfg.fsdp.use_orig_params,
             limit_all_gathers=True,
             device_id=torch.device("cpu") if device.type == "cpu" else local_rank,  # an int fails on CPU
-            sync_module_states=True,  # every rank starts from rank 0's initialisation
+            sync_module_states=device.type == "cuda",  # rank 0's init everywhere (CPU ranks seed alike)
         )
     raise RunError(f"distributed_strategy must be ddp or fsdp (got {cfg.distributed_strategy}).")
 
