@@ -134,3 +134,31 @@ def test_dry_run_prints_config_and_parameter_count():
 
     n = num_params_from_config(load_config(str(TINY)).model, "hybrid_pre")
     assert f"MODEL_TYPE=hybrid_pre  parameters: {n:,d}" in proc.stdout
+
+
+def test_in_loop_downstream_evaluation_runs_on_cpu(tmp_path, monkeypatch):
+    """OLMo's packaged ARC-Easy through our Trainer's eval(), a few batches, OLMo tokenizer, no network."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    from olmo.config import EvaluatorConfig, EvaluatorType
+    from olmo.eval import build_evaluators
+
+    from siamesenorm import build_model
+    from siamesenorm.train import SiameseTrainer, load_config
+
+    cfg = load_config(str(TINY), [
+        "--model.d_model=32", "--model.n_heads=2", "--model.n_layers=2", "--model.vocab_size=50280",
+        "--model.embedding_size=50304", "--model.eos_token_id=50279", "--model.max_sequence_length=512",
+        "--tokenizer.identifier=tokenizers/allenai_gpt-neox-olmo-dolma-v1_5.json", "--device_eval_batch_size=4",
+        f"--save_folder={tmp_path}",
+    ])
+    cfg.evaluators = [EvaluatorConfig(label="arc_easy", type=EvaluatorType.downstream, subset_num_batches=2)]
+    evaluators = build_evaluators(cfg, torch.device("cpu"))
+    model = build_model(cfg.model, "hybrid_pre").eval()
+    optim = torch.optim.SGD(model.parameters(), lr=0.0)  # eval() zeroes gradients first
+    trainer = SiameseTrainer(cfg=cfg, model=model, dist_model=model, optim=optim, scheduler=None,
+                             train_loader=None, device=torch.device("cpu"), evaluators=evaluators)
+    metrics = trainer.eval()
+    acc = metrics["eval/downstream/arc_easy_acc"]
+    assert 0.0 <= acc <= 1.0
+    record = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[-1])
+    assert record["eval"]["eval/downstream/arc_easy_acc"] == pytest.approx(float(acc))

@@ -1,0 +1,65 @@
+"""Every recipe in configs/ loads and builds for every MODEL_TYPE; the 1.3B size is the one the docs state."""
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from olmo.model import OLMo
+
+from siamesenorm import MODEL_TYPES, build_model, num_params_from_config
+from siamesenorm.train import load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+
+
+def test_recipes_exist():
+    names = {p.stem for p in CONFIGS}
+    for tag in ("4e-4", "1e-3", "2e-3", "2e-3-350B"):
+        assert f"OLMo-1B-{tag}" in names and f"OLMo-1B-hybrid-{tag}" in names
+    assert {"small-20M", "small-60M", "small-150M", "tiny-cpu"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_recipe_builds_for_every_model_type(path, model_type):
+    cfg = load_config(str(path))
+    assert cfg.model.model_type is None  # recipes leave the choice to MODEL_TYPE
+    big = cfg.model.d_model >= 2048
+    cfg.model.init_device = "meta" if big else "cpu"
+    model = build_model(cfg.model, model_type, init_params=not big)
+    assert isinstance(model, OLMo) and model.config.model_type == model_type
+    assert model.num_params() == num_params_from_config(cfg.model, model_type)
+    if not big:
+        with torch.no_grad():
+            out = model(torch.zeros(1, 8, dtype=torch.long)).logits
+        assert torch.isfinite(out).all()
+
+
+def documented_count(model_type: str) -> int:
+    text = (ROOT / "docs" / "training.md").read_text()
+    match = re.search(rf"^\| {model_type} \| ([0-9,]+) \|", text, re.M)
+    assert match, f"docs/training.md has no parameter row for {model_type}"
+    return int(match.group(1).replace(",", ""))
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_13b_parameter_count_matches_docs(model_type):
+    cfg = load_config(str(ROOT / "configs" / "OLMo-1B-2e-3.yaml"))
+    cfg.model.init_device = "meta"
+    model = build_model(cfg.model, model_type, init_params=False)
+    assert model.num_params() == documented_count(model_type)
+    if model_type == "pre":
+        assert 1.25e9 < model.num_params() < 1.35e9  # "1.3B"
+
+
+def test_paper_learning_rates_and_token_budgets():
+    for tag, lr, tokens in [("4e-4", 4e-4, "100e9T"), ("1e-3", 1e-3, "100e9T"), ("2e-3", 2e-3, "100e9T"),
+                            ("2e-3-350B", 2e-3, "350e9T")]:
+        for prefix in ("OLMo-1B", "OLMo-1B-hybrid"):
+            cfg = load_config(str(ROOT / "configs" / f"{prefix}-{tag}.yaml"))
+            assert cfg.optimizer.learning_rate == pytest.approx(lr) and cfg.max_duration == tokens
+            labels = {e.label for e in cfg.evaluators}
+            assert {"arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "openbook_qa",
+                    "basic_arithmetic"} <= labels
