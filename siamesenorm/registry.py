@@ -74,7 +74,12 @@ def _hooked_build(cls, layer_id: int, config: ModelConfig, cache: BufferCache) -
 
 
 def install_hook() -> None:
-    """Make OLMo's block factory honour MODEL_TYPE / model.model_type. Idempotent."""
+    """Make OLMo's block factory honour MODEL_TYPE / model.model_type. Idempotent; a no-op on an OLMo source tree
+    patched with changes.patch, whose factory already delegates to ``block_for``."""
+    import olmo.model
+
+    if getattr(olmo.model, "SIAMESENORM_PATCHED", False):
+        return
     if getattr(OLMoBlock.build, "__func__", None) is not _hooked_build:
         OLMoBlock.build = classmethod(_hooked_build)  # type: ignore[method-assign]
 

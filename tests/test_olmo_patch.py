@@ -1,0 +1,87 @@
+"""changes.patch against ai2-olmo 0.6.0's PyPI source: applies, is up to date, and builds the same models."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from siamesenorm import MODEL_TYPES, build_model
+from siamesenorm import olmo_patch
+
+ROOT = Path(__file__).resolve().parents[1]
+PATCH = ROOT / "changes.patch"
+CACHE = ROOT / ".cache" / "sdist"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory):
+    """OLMo/ at the release tag, from the PyPI sdist (downloaded once into .cache/, checksum verified)."""
+    return olmo_patch.materialize(tmp_path_factory.mktemp("olmo") / "OLMo", None, CACHE)
+
+
+def test_patch_applies_cleanly_and_for_real(pristine):
+    subprocess.run(["git", "apply", "--check", str(PATCH)], cwd=pristine, check=True)
+    patched = olmo_patch.materialize(pristine, PATCH, CACHE)
+    log = subprocess.run(["git", "log", "--format=%s"], cwd=patched, capture_output=True, text=True).stdout
+    assert "changes.patch" in log.splitlines()[0] and "PyPI source distribution" in log.splitlines()[1]
+    assert "SIAMESENORM_PATCHED = True" in (patched / "olmo" / "model.py").read_text()
+    olmo_patch.materialize(pristine, PATCH, CACHE)  # rerunning is safe: already applied, nothing changes
+    status = subprocess.run(["git", "status", "--porcelain", "olmo"], cwd=patched, capture_output=True, text=True)
+    assert status.stdout == ""
+
+
+def test_changes_patch_is_not_stale(pristine):
+    fresh = olmo_patch.render_patch(olmo_patch.pristine_tree(pristine))
+    assert PATCH.read_text() == fresh, "changes.patch is stale: run python scripts/olmo_tree.py patch"
+
+
+def test_patched_source_tree_builds_the_same_models(pristine, tmp_path):
+    """The patched OLMo/ imported in place of the installed ai2-olmo: same names and logits for each type."""
+    tree = olmo_patch.materialize(pristine, PATCH, CACHE)
+    from conftest import tiny_config
+
+    fields = dict(d_model=32, n_heads=4, n_layers=3, vocab_size=96, embedding_size=128, max_sequence_length=64,
+                  rope=True, include_bias=False, layer_norm_type="rms", attention_dropout=0.0,
+                  residual_dropout=0.0, embedding_dropout=0.0, init_device="cpu")
+    ids = torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(0))
+    expected = {}
+    for mt in MODEL_TYPES:
+        model = build_model(tiny_config(**fields), mt).eval()
+        torch.save(model.state_dict(), tmp_path / f"{mt}.pt")
+        with torch.no_grad():
+            expected[mt] = model(ids).logits
+    torch.save(ids, tmp_path / "ids.pt")
+
+    script = textwrap.dedent(f"""
+        import json, sys, torch
+        import olmo, olmo.model
+        from olmo.config import ModelConfig
+        from olmo.model import OLMo
+        assert olmo.__file__.startswith({str(tree)!r}), olmo.__file__
+        ids = torch.load({str(tmp_path / 'ids.pt')!r})
+        out = {{}}
+        for mt in {list(MODEL_TYPES)!r}:
+            model = OLMo(ModelConfig(model_type=mt, **{fields!r})).eval()  # plain OLMo API, patched factory
+            model.load_state_dict(torch.load({str(tmp_path)!r} + f"/{{mt}}.pt"), strict=True)
+            with torch.no_grad():
+                torch.save(model(ids).logits, {str(tmp_path)!r} + f"/{{mt}}-patched.pt")
+            out[mt] = sorted(n for n, _ in model.named_parameters())
+        import siamesenorm.registry as r
+        out["factory_untouched"] = olmo.model.OLMoBlock.build.__func__ is not r._hooked_build
+        print(json.dumps(out))
+    """)
+    env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
+    env.pop("MODEL_TYPE", None)
+    proc = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result.pop("factory_untouched") is True  # the patch, not our runtime hook, built these blocks
+    for mt in MODEL_TYPES:
+        names = sorted(torch.load(tmp_path / f"{mt}.pt").keys())
+        assert result[mt] == names
+        torch.testing.assert_close(torch.load(tmp_path / f"{mt}-patched.pt"), expected[mt], rtol=0, atol=0)
