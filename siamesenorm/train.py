@@ -10,14 +10,11 @@ This follows the structure of OLMo's own scripts/train.py (which the ai2-olmo wh
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
-import math
 import os
 import random
 import socket
-import sys
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -31,7 +28,6 @@ import torch.distributed as dist
 from omegaconf import OmegaConf as om
 
 from olmo.config import (
-    CheckpointType,
     DistributedStrategy,
     ShardedCheckpointerType,
     TrainConfig,
@@ -45,9 +41,7 @@ from .model import build_model, num_params_from_config
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SiameseTrainConfig", "load_config", "main", "SiameseTrainer", "EXIT_CONFIG_ERROR"]
-
-EXIT_CONFIG_ERROR = 2
+__all__ = ["SiameseTrainConfig", "load_config", "main", "SiameseTrainer"]
 
 
 @dataclass

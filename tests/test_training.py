@@ -128,7 +128,6 @@ def test_dry_run_prints_config_and_parameter_count():
     )
     assert proc.returncode == 0, proc.stderr
     assert "model_type: hybrid_pre" in proc.stdout
-    from conftest import tiny_config  # noqa: F401  (hook installed)
     from siamesenorm import num_params_from_config
     from siamesenorm.train import load_config
 
