@@ -16,7 +16,7 @@ echo "Training MODEL_TYPE=$MODEL_TYPE with configs/tiny-cpu.yaml into $RUN ..."
 mkdir -p runs
 set +e
 python scripts/train.py configs/tiny-cpu.yaml --save_folder="$RUN" --save_overwrite 2>&1 | tee "$RUN.log" \
-  | grep --line-buffered -E "Building OLMo blocks|step=[0-9]*00/|train/CrossEntropyLoss|/Perplexity|final training loss|error"
+  | grep --line-buffered -E "siamesenorm.train: MODEL_TYPE=[a-z_]* \\(|step=[0-9]*00/|eval/.*Perplexity|final training loss|error"
 code=${PIPESTATUS[0]}
 set -e
 if [ "$code" -ne 0 ]; then

@@ -110,20 +110,20 @@ def checkpoint_model_type(load_path: str) -> Optional[str]:
     return raw.get("model", {}).get("model_type")
 
 
-def resolve_run_model_type(cfg: SiameseTrainConfig, load_path: Optional[str]) -> str:
-    """MODEL_TYPE for this run; on resume the checkpoint's, and a contradicting choice is an error."""
+def resolve_run_model_type(cfg: SiameseTrainConfig, load_path: Optional[str]) -> tuple[str, str]:
+    """(MODEL_TYPE, where it came from) for this run; on resume the checkpoint's, a contradicting choice fails."""
     chosen, source = resolve_model_type(cfg.model)
     if load_path is None:
-        return chosen
+        return chosen, source
     saved = checkpoint_model_type(load_path)
     if saved is None:
-        return chosen
+        return chosen, source
     if source != "default" and chosen != saved:
         raise RunError(
             f"MODEL_TYPE={chosen} (from {source}) contradicts the checkpoint {load_path}, which was trained as "
             f"MODEL_TYPE={saved}; set MODEL_TYPE={saved} (or unset it) to resume, or use a new save_folder."
         )
-    return saved
+    return saved, f"checkpoint {load_path}"
 
 
 def find_resume_path(cfg: SiameseTrainConfig) -> Optional[str]:
@@ -249,7 +249,8 @@ def dry_run(cfg: SiameseTrainConfig, model_type: str) -> None:
 def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = False) -> int:
     cfg = load_config(config_path, overrides)
     load_path = find_resume_path(cfg)
-    model_type = resolve_run_model_type(cfg, load_path)
+    model_type, source = resolve_run_model_type(cfg, load_path)
+    log.info("MODEL_TYPE=%s (from %s)", model_type, source)
     validate_model_config(cfg.model, model_type)
     cfg.model.model_type = model_type
     if dry or cfg.dry_run:
