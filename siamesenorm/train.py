@@ -61,7 +61,7 @@ class RunError(OLMoConfigurationError):
 def load_config(path: str, overrides: Optional[List[str]] = None) -> SiameseTrainConfig:
     """Load a YAML recipe with ``--key=value`` overrides, as OLMo's CLI accepts them."""
     if not Path(path).is_file():
-        raise RunError(f"config file {path} not found; pick one from configs/ (see configs/README.md).")
+        raise RunError(f"config file {path} not found; pick one from configs/ (docs/training.md lists them).")
     overrides = [clean_opt(o) for o in (overrides or [])]
     return SiameseTrainConfig.load(path, overrides, validate_paths=False)
 
@@ -74,32 +74,26 @@ def _expand(paths: List[str]) -> List[str]:
 
 
 def check_data_paths(cfg: SiameseTrainConfig) -> None:
-    """Fail before anything starts when a training or evaluation data file is missing."""
+    """Fail before anything starts when a training or evaluation data file is missing; expand path globs
+    (OLMo's memmap dataset takes file names only)."""
     how = (
         "prepare data with scripts/prepare_data.py (docs/training.md, 'Data') and point data.paths "
         "(and the lm evaluators' paths) at the token files it writes"
     )
-    wanted = list(cfg.data.paths or []) + [p for ps in (cfg.data.datasets or {}).values() for p in ps]
-    if not wanted:
+    sections = [("data.paths", cfg.data)]
+    sections += [(f"evaluator {ev.label}", ev.data) for ev in cfg.evaluators if str(ev.type) == "lm"]
+    if not (cfg.data.paths or cfg.data.datasets):
         raise RunError(f"the config names no training data (data.paths is empty): {how}.")
-    groups = [("data.paths", wanted)]
-    for ev in cfg.evaluators:
-        if str(ev.type) == "lm":
-            groups.append((f"evaluator {ev.label}", list(ev.data.paths or []) + [
-                p for ps in (ev.data.datasets or {}).values() for p in ps
-            ]))
-    for where, paths in groups:
-        for p in paths:
-            if "://" in str(p):
-                continue
-            if "PLACEHOLDER" in str(p) or not _expand([str(p)]) or not all(Path(q).exists() for q in _expand([p])):
-                raise RunError(f"{where}: no data at {p!r}: {how}.")
-    cfg.data.paths = _expand([str(p) for p in cfg.data.paths]) if cfg.data.paths else cfg.data.paths
-    for data in [cfg.data] + [ev.data for ev in cfg.evaluators]:
-        if data.datasets:
-            data.datasets = {k: _expand([str(p) for p in v]) for k, v in data.datasets.items()}
+    for where, data in sections:
+        groups = [data.paths or []] + list((data.datasets or {}).values())
+        for pattern in (p for group in groups for p in group):
+            found = _expand([str(pattern)])
+            if "://" not in str(pattern) and (not found or not all(Path(q).exists() for q in found)):
+                raise RunError(f"{where}: no data at {pattern!r}: {how}.")
         if data.paths:
             data.paths = _expand([str(p) for p in data.paths])
+        if data.datasets:
+            data.datasets = {k: _expand([str(p) for p in v]) for k, v in data.datasets.items()}
 
 
 def checkpoint_model_type(load_path: str) -> Optional[str]:

@@ -41,7 +41,7 @@ def test_equals_its_equations(model_type, overrides):
     model = randomize(build_model(tiny_config(**overrides), model_type))
     x = ids()
     with torch.no_grad():
-        got = model(x).logits[..., : model.config.vocab_size + 32]
+        got = model(x).logits
         want = Ref(model)(x, model_type)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
