@@ -32,7 +32,23 @@ ENV_VAR = "MODEL_TYPE"
 DEFAULT_MODEL_TYPE = "pre"
 
 #: Every valid MODEL_TYPE, in the order the docs list them. The registry maps each to one block class.
-MODEL_TYPES: tuple[str, ...] = ("pre", "post", "hybrid", "hc", "post_pre", "hybrid_pre")
+MODEL_TYPES: tuple[str, ...] = (
+    # the paper's seed variants
+    "pre",
+    "post",
+    "hybrid",
+    "hc",
+    "post_pre",
+    "hybrid_pre",
+    # the paper's other baselines and probes, and variants beyond it
+    "deepnorm",
+    "residual",
+    "mixln",
+    "peri",
+    "mhc",
+    "hybrid_star",
+    "pre_embednorm",
+)
 
 #: Depth-wise scaling forms: the divisor c(l) of the residual update written into the bounded stream.
 #: "inv_sqrt_layer" is the paper's text (section 4.2: 1/sqrt(l+1)); "inv_sqrt_2layer" is what the paper's
@@ -43,7 +59,10 @@ DEPTH_SCALING_FORMS: dict[str, "callable"] = {
 }
 
 _TWO_STREAM = ("post_pre", "hybrid_pre")
-_HYBRID_ATTENTION = ("hybrid", "hybrid_pre")
+_HYBRID_ATTENTION = ("hybrid", "hybrid_pre", "hybrid_star")
+#: Types trained with the configs/OLMo-1B-hybrid-* recipes (HybridNorm's init and warmup); the rest use OLMo-1B-*.
+HYBRID_RECIPE_TYPES = _HYBRID_ATTENTION
+_OWN_EMBEDDING_NORM = ("peri", "pre_embednorm")
 
 
 @dataclass
@@ -64,6 +83,15 @@ class SiameseModelConfig(ModelConfig):
 
     siamese_normalized_input: bool = True
     """post_pre / hybrid_pre: apply an extra norm to the fused input of each sublayer (section 4.2)."""
+
+    mixln_post_fraction: float = 0.25
+    """mixln: the first floor(fraction * n_layers) layers are Post-LN, the rest Pre-LN (Mix-LN's 0.25)."""
+
+    mhc_expansion_rate: int = 4
+    """mhc: number of residual streams n (the mHC paper's 4)."""
+
+    mhc_sinkhorn_iterations: int = 20
+    """mhc: Sinkhorn-Knopp iterations that make each residual mixing matrix doubly stochastic."""
 
     def __post_init__(self):
         if self.model_type is not None:
@@ -96,6 +124,21 @@ def validate_model_config(config: ModelConfig, model_type: str) -> None:
         n = getattr(config, "hc_expansion_rate", 2)
         if not isinstance(n, int) or n < 1:
             _fail(f"model.hc_expansion_rate must be a whole number >= 1 (got {n!r}); the paper uses 2.")
+    if model_type == "mixln":
+        frac = getattr(config, "mixln_post_fraction", 0.25)
+        if not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
+            _fail(f"model.mixln_post_fraction must be a number in [0, 1] (got {frac!r}); Mix-LN uses 0.25.")
+    if model_type == "mhc":
+        n = getattr(config, "mhc_expansion_rate", 4)
+        if not isinstance(n, int) or n < 1:
+            _fail(f"model.mhc_expansion_rate must be a whole number >= 1 (got {n!r}); mHC uses 4.")
+        iters = getattr(config, "mhc_sinkhorn_iterations", 20)
+        if not isinstance(iters, int) or iters < 1:
+            _fail(f"model.mhc_sinkhorn_iterations must be a whole number >= 1 (got {iters!r}); mHC uses 20.")
+    if model_type in _OWN_EMBEDDING_NORM and getattr(config, "embedding_layer_norm", False):
+        _fail(
+            f"MODEL_TYPE {model_type} normalises the embedding itself; set model.embedding_layer_norm to false."
+        )
     if model_type in _TWO_STREAM:
         form = getattr(config, "siamese_depth_scaling_form", "inv_sqrt_layer")
         if form not in DEPTH_SCALING_FORMS:

@@ -22,24 +22,40 @@ SDIST = f"ai2_olmo-{VERSION}.tar.gz"
 SDIST_SHA256 = "17088d0b1c166aad60f4ebb6046100f2d70339ea910e075179aeb362f63560fc"
 RELEASE_TAG = f"v{VERSION}"
 
+
+
+def _config_fields() -> str:
+    """SiameseModelConfig's fields, as lines of OLMo's ModelConfig (the patched tree has no SiameseModelConfig)."""
+    import dataclasses
+    import textwrap
+
+    from olmo.config import ModelConfig
+
+    from .config import MODEL_TYPES, SiameseModelConfig
+
+    doc = textwrap.fill(
+        f"SiameseNorm: the block topology ({', '.join(MODEL_TYPES)}); the MODEL_TYPE environment variable "
+        "overrides it. None means pre. The variants live in the siamesenorm package.",
+        width=112,
+        initial_indent="    ",
+        subsequent_indent="    ",
+    )
+    lines = ["", "    model_type: Optional[str] = None", '    """', doc, '    """', ""]
+    olmo_fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    for f in dataclasses.fields(SiameseModelConfig):
+        if f.name not in olmo_fields and f.name != "model_type":
+            default = f'"{f.default}"' if isinstance(f.default, str) else repr(f.default)
+            lines.append(f"    {f.name}: {f.type} = {default}")
+    return "\n".join(lines) + "\n"
+
+
 # (file, anchor line, text inserted after the anchor)
 EDITS = [
     (
         "olmo/config.py",
         '    Apply norm after the attention/feedforward layers rather than before, as introduced in the Swin '
         'transformer paper (Liu et al).\n    """\n',
-        '''
-    model_type: Optional[str] = None
-    """
-    SiameseNorm: the block topology (pre, post, hybrid, hc, post_pre, hybrid_pre); the MODEL_TYPE environment
-    variable overrides it. None means pre. The variants live in the siamesenorm package.
-    """
-
-    hc_expansion_rate: int = 2
-    siamese_depth_scaling: bool = True
-    siamese_depth_scaling_form: str = "inv_sqrt_layer"
-    siamese_normalized_input: bool = True
-''',
+        _config_fields(),
     ),
     (
         "olmo/model.py",

@@ -17,11 +17,18 @@ from olmo.model import BufferCache, OLMoBlock
 
 from .config import MODEL_TYPES, resolve_model_type, validate_model_config
 from .topologies.base import TopologyBlock, sequential_block_params
+from .topologies.deepnorm import DeepNormBlock
 from .topologies.hc import HyperConnectionBlock
 from .topologies.hybrid import HybridNormBlock
 from .topologies.hybrid_pre import SiameseHybridPreBlock
+from .topologies.hybrid_star import HybridStarBlock
+from .topologies.mhc import ManifoldHyperConnectionBlock
+from .topologies.mixln import MixLNBlock
+from .topologies.peri import PeriNormBlock
 from .topologies.post import PostNormBlock
 from .topologies.post_pre import SiamesePostPreBlock
+from .topologies.pre_embednorm import PreEmbedNormBlock
+from .topologies.residual import ResiDualBlock
 
 __all__ = ["BLOCKS", "block_class", "block_for", "install_hook", "forced_model_type", "block_params"]
 
@@ -35,6 +42,13 @@ BLOCKS: dict[str, Optional[Type[TopologyBlock]]] = {
     "hc": HyperConnectionBlock,
     "post_pre": SiamesePostPreBlock,
     "hybrid_pre": SiameseHybridPreBlock,
+    "deepnorm": DeepNormBlock,
+    "residual": ResiDualBlock,
+    "mixln": MixLNBlock,
+    "peri": PeriNormBlock,
+    "mhc": ManifoldHyperConnectionBlock,
+    "hybrid_star": HybridStarBlock,
+    "pre_embednorm": PreEmbedNormBlock,
 }
 assert tuple(BLOCKS) == MODEL_TYPES
 

@@ -153,5 +153,95 @@ class Ref:
                 ]
         return self.logits(sum(streams))
 
+    def deepnorm(self, ids):
+        N = self.c.n_layers
+        alpha = (2 * N) ** 0.25
+        x = self.embed(ids)
+        for i in range(N):
+            b = f"transformer.blocks.{i}."
+            x = self.norm(b + "attn_norm", alpha * x + self.attn(i, x))
+            x = self.norm(b + "ff_norm", alpha * x + self.mlp(i, x))
+        return self.logits(x)
+
+    def residual(self, ids):
+        x = d = self.embed(ids)
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            for sub, fn in (("attn", self.attn), ("ff", self.mlp)):
+                o = fn(i, x)
+                x = self.norm(b + sub + "_norm", x + o)
+                d = d + o
+        b = f"transformer.blocks.{self.c.n_layers - 1}."
+        return self.logits(x + self.norm(b + "out_norm_dual", d))
+
+    def mixln(self, ids):
+        n_post = int(self.c.mixln_post_fraction * self.c.n_layers + 1e-9)
+        x = self.embed(ids)
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            for sub, fn in (("attn", self.attn), ("ff", self.mlp)):
+                if i < n_post:
+                    x = self.norm(b + sub + "_norm", x + fn(i, x))
+                else:
+                    x = x + fn(i, self.norm(b + sub + "_norm", x))
+        return self.logits(x)
+
+    def peri(self, ids):
+        x = self.norm("transformer.blocks.0.emb_norm", self.embed(ids))
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            for sub, fn in (("attn", self.attn), ("ff", self.mlp)):
+                x = x + self.norm(b + sub + "_out_norm", fn(i, self.norm(b + sub + "_norm", x)))
+        return self.logits(x)
+
+    def pre_embednorm(self, ids):
+        x = rms(self.embed(ids), None, self.eps)
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            x = x + self.attn(i, self.norm(b + "attn_norm", x))
+            x = x + self.mlp(i, self.norm(b + "ff_norm", x))
+        return self.logits(x)
+
+    def hybrid_star(self, ids):
+        x = self.embed(ids)
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            if i == 0:
+                x = x + self.attn(i, self.norm(b + "attn_norm", x), head_norms=True)
+                x = x + self.mlp(i, self.norm(b + "ff_norm", x))
+            else:
+                u = self.norm(b + "ff_norm", x + self.attn(i, x, head_norms=True))
+                x = u + self.mlp(i, u)
+        return self.logits(x)
+
+    def mhc_coefficients(self, prefix, streams):
+        """H_pre (B,T,n), H_post (B,T,n), H_res (B,T,n,n) from the n streams, written out with plain ops."""
+        n = len(streams)
+        flat = self.norm(prefix + "norm", torch.cat(streams, dim=-1))
+        logits = flat @ self.p[prefix + "proj"]
+        g = self.p[prefix + "gates"]
+        pre = torch.sigmoid(g[0] * logits[..., :n] + self.p[prefix + "bias_pre"])
+        post = 2 * torch.sigmoid(g[1] * logits[..., n : 2 * n] + self.p[prefix + "bias_post"])
+        m = torch.exp(g[2] * logits[..., 2 * n :].reshape(*logits.shape[:-1], n, n) + self.p[prefix + "bias_res"])
+        for _ in range(self.c.mhc_sinkhorn_iterations):  # plain (not log-domain) Sinkhorn-Knopp
+            m = m / m.sum(-1, keepdim=True)
+            m = m / m.sum(-2, keepdim=True)
+        return pre, post, m
+
+    def mhc(self, ids):
+        n = self.c.mhc_expansion_rate
+        streams = [self.embed(ids)] * n
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            for sub, fn in (("attn", self.attn), ("ff", self.mlp)):
+                pre, post, res = self.mhc_coefficients(b + sub + "_mhc.", streams)
+                inp = sum(pre[..., s, None] * streams[s] for s in range(n))
+                out = fn(i, self.norm(b + sub + "_norm", inp))
+                streams = [
+                    sum(res[..., j, s, None] * streams[s] for s in range(n)) + post[..., j, None] * out
+                    for j in range(n)
+                ]
+        return self.logits(sum(streams) / n)
+
     def __call__(self, ids, model_type):
         return getattr(self, model_type)(ids)

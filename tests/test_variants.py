@@ -16,6 +16,9 @@ CASES = [(mt, {}) for mt in MODEL_TYPES] + [
     ("post_pre", {"siamese_normalized_input": False, "siamese_depth_scaling_form": "inv_sqrt_2layer"}),
     ("hybrid_pre", {"siamese_normalized_input": False}),
     ("hybrid_pre", {"siamese_depth_scaling": False}),
+    ("mixln", {"mixln_post_fraction": 0.5}),
+    ("mhc", {"mhc_expansion_rate": 2, "mhc_sinkhorn_iterations": 5}),
+    ("mhc", {"mhc_expansion_rate": 1}),
 ]
 IDS = [mt + "".join(f"-{k}={v}" for k, v in o.items()) for mt, o in CASES]
 
@@ -25,7 +28,7 @@ def randomize(model, scale=0.3):
     torch.manual_seed(1)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if p.dim() == 1 or "norm" in name or "gamma" in name or "static" in name or "scale" in name:
+            if p.dim() == 1 or "norm" in name or "gamma" in name or "static" in name or "scale" in name or "bias" in name:
                 p.copy_(p + scale * torch.randn_like(p))
             else:
                 p.add_(scale * 0.1 * torch.randn_like(p))

@@ -63,12 +63,14 @@ class TopologyBlock(OLMoSequentialBlock):
     """
 
     n_streams: ClassVar[int] = 1
+    #: What each stream of the stacked state is, in order (used by the analysis tools).
+    stream_names: ClassVar[Tuple[str, ...]] = ("residual",)
     #: OLMo block norms this topology does not use (removed so DDP sees no unused parameter).
     unused_olmo_norms: ClassVar[Tuple[str, ...]] = ()
 
     def __init__(self, layer_id: int, config: ModelConfig, cache: BufferCache):
         super().__init__(layer_id, config, cache)
-        self.removed_norms = self.removed_olmo_norms(config)
+        self.removed_norms = self.removed_olmo_norms(config, layer_id)
         for name in self.removed_norms:
             delattr(self, name)
         self.is_first = layer_id == 0
@@ -92,13 +94,13 @@ class TopologyBlock(OLMoSequentialBlock):
                 module.reset_parameters()
 
     @classmethod
-    def removed_olmo_norms(cls, config: ModelConfig) -> Tuple[str, ...]:
+    def removed_olmo_norms(cls, config: ModelConfig, layer_id: int) -> Tuple[str, ...]:
         return cls.unused_olmo_norms
 
     @classmethod
     def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
         """Parameters this block has beyond (or, negative, below) OLMo's sequential block."""
-        return -len(cls.removed_olmo_norms(config)) * norm_params(config)
+        return -len(cls.removed_olmo_norms(config, layer_id)) * norm_params(config)
 
     @classmethod
     def num_params_from_config(cls, config: ModelConfig, layer_id: int) -> int:
@@ -119,8 +121,10 @@ class TopologyBlock(OLMoSequentialBlock):
         use_cache: bool,
         max_doc_len: Optional[int],
         cu_doc_lens: Optional[torch.Tensor],
+        out_norm: Optional[LayerNormBase] = None,
     ) -> Tuple[torch.Tensor, KVCache]:
-        """dropout(Attn(h)) with OLMo's projections and attention; h: (B, T, d_model), no norm applied here."""
+        """dropout(Attn(h)) with OLMo's projections and attention; h: (B, T, d_model), no input norm applied here.
+        ``out_norm`` (if given) normalises the attention output before dropout."""
         qkv = self.att_proj(h)
         if self.config.clip_qkv is not None:
             qkv = qkv.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)
@@ -136,13 +140,18 @@ class TopologyBlock(OLMoSequentialBlock):
             max_doc_len=max_doc_len,
             cu_doc_lens=cu_doc_lens,
         )
+        if out_norm is not None:
+            att = self.norm(out_norm, att)
         return self.dropout(att), cache
 
-    def mlp_branch(self, h: torch.Tensor) -> torch.Tensor:
-        """dropout(MLP(h)) with OLMo's ff_proj, activation and ff_out; no norm applied here."""
+    def mlp_branch(self, h: torch.Tensor, out_norm: Optional[LayerNormBase] = None) -> torch.Tensor:
+        """dropout(MLP(h)) with OLMo's ff_proj, activation and ff_out; ``out_norm`` (if given) before dropout."""
         h = self.ff_proj(h)
         h = self.ckpt(self.act, h)
-        return self.dropout(self.ff_out(h))
+        h = self.ff_out(h)
+        if out_norm is not None:
+            h = self.norm(out_norm, h)
+        return self.dropout(h)
 
     def norm(self, module: LayerNormBase, x: torch.Tensor) -> torch.Tensor:
         return self.ckpt(module, x)

@@ -84,6 +84,7 @@ class HyperConnectionBlock(TopologyBlock):
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
         self.n_streams = config.hc_expansion_rate
+        self.stream_names = tuple(f"stream_{i + 1}" for i in range(self.n_streams))
         read = layer_id % self.n_streams
         self.attn_hc = HyperConnection(self, self.n_streams, read)
         self.ff_hc = HyperConnection(self, self.n_streams, read)

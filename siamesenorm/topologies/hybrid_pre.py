@@ -33,6 +33,8 @@ __all__ = ["SiameseHybridPreBlock"]
 
 
 class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
+    stream_names = ("x_hybrid", "y_pre")
+
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
         self.gamma = nn.Parameter(torch.ones(config.d_model, device=config.init_device, dtype=torch.float32))
@@ -41,7 +43,7 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
         self.ff_norm_y = self.new_norm()
 
     @classmethod
-    def removed_olmo_norms(cls, config):
+    def removed_olmo_norms(cls, config, layer_id):
         # No attention-input norm (the Q/K/V norms replace it); ff_norm is LN^in, gone without normalized input.
         return ("attn_norm",) if config.siamese_normalized_input else ("attn_norm", "ff_norm")
 

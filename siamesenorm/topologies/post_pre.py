@@ -36,13 +36,15 @@ __all__ = ["SiamesePostPreBlock"]
 
 
 class SiamesePostPreBlock(TwoStreamBlock):
+    stream_names = ("x_post", "y_pre")
+
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
         self.attn_norm_x, self.attn_norm_y = self.new_norm(), self.new_norm()
         self.ff_norm_x, self.ff_norm_y = self.new_norm(), self.new_norm()
 
     @classmethod
-    def removed_olmo_norms(cls, config):
+    def removed_olmo_norms(cls, config, layer_id):
         # attn_norm / ff_norm are LN^in, the normalized-input norms: gone when that mechanism is off.
         return () if config.siamese_normalized_input else ("attn_norm", "ff_norm")
 

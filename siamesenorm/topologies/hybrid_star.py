@@ -1,0 +1,28 @@
+"""HybridNorm* (Zhuo et al., 2025): HybridNorm whose first layer is a full Pre-Norm layer.
+
+    layer 0:    X = X + Attn(LN(X));   X = X + FFN(LN(X))            (``attn_norm``, ``ff_norm``: Pre-Norm)
+    layer l>0:  X' = X + Attn(X);      U = LN(X');   X = U + FFN(U)   (hybrid.py)
+
+Attn is HybridNorm's attention in every layer, layer 0 included: per-head Q/K/V norms before RoPE.
+"""
+
+from __future__ import annotations
+
+from .hybrid import HybridNormBlock
+
+__all__ = ["HybridStarBlock"]
+
+
+class HybridStarBlock(HybridNormBlock):
+    @classmethod
+    def removed_olmo_norms(cls, config, layer_id):
+        return () if layer_id == 0 else ("attn_norm",)
+
+    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+        if not self.is_first:
+            return super().forward(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        att, cache = self.attention_branch(
+            self.norm(self.attn_norm, x), attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens
+        )
+        x = x + att
+        return x + self.mlp_branch(self.norm(self.ff_norm, x)), cache

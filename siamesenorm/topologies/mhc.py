@@ -1,0 +1,142 @@
+"""Manifold-constrained Hyper-Connections (mHC; Xie et al., arXiv 2512.24880), expansion rate n
+(``mhc_expansion_rate``, default 4).
+
+The residual state is n streams H = (h_1 .. h_n), each (B, T, d). Around every sublayer F (attention, MLP; each
+with OLMo's Pre-Norm inside: F(LN(.))), per token, with h~ = RMSNorm(flatten(H)) of size n*d:
+
+    H_pre  = sigmoid(a_pre * h~ P_pre + b_pre)                       in (0, 1)^n
+    H_post = 2 * sigmoid(a_post * h~ P_post + b_post)                in (0, 2)^n
+    H_res  = Sinkhorn(a_res * mat(h~ P_res) + b_res)                 n x n, doubly stochastic
+    input  = sum_s H_pre[s] h_s
+    h_j   <- sum_s H_res[j, s] h_s + H_post[j] * F(input)
+
+Sinkhorn(M) alternately normalises the rows and columns of exp(M) (``mhc_sinkhorn_iterations``, 20, in the log
+domain), so H_res has rows and columns summing to 1 and the residual mixing can neither grow nor shrink the
+streams' mean. The coefficients are computed in fp32 with autocast off, whatever the training precision.
+
+Choices where implementations disagree (documented in docs/architecture.md):
+  * init: P = N(0, 1/(n*d)) (unit-variance logits before the gates), gates a = 0.01, b_post = 0 (H_post = 1:
+    every stream receives F's output, as in Hyper-Connections), b_pre = logit(1/n) (the branch reads the mean
+    of the streams; 0 for n = 1), b_res = 0 (H_res starts uniform, 1/n everywhere). Uniform rather than
+    near-identity because Sinkhorn converges slowly near a permutation matrix: from a 0.95-diagonal start,
+    20 iterations left row sums 2e-3 off 1, from the uniform start 2e-7 (scripts/sinkhorn_convergence.py);
+  * the factor 2 on H_post is kept (so that the init above gives 1);
+  * output: the mean of the n streams (at init all streams are equal, so the model starts as Pre-Norm);
+    OLMo's ``ln_f`` follows. Block 0 copies the embedding into every stream.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+from olmo.config import ModelConfig
+
+from .base import TopologyBlock, norm_params
+
+__all__ = ["ManifoldHyperConnection", "ManifoldHyperConnectionBlock", "sinkhorn"]
+
+_GATE_INIT = 0.01
+
+
+def sinkhorn(logits: torch.Tensor, iterations: int) -> torch.Tensor:
+    """A doubly stochastic matrix from (..., n, n) logits: Sinkhorn-Knopp on exp(logits), log domain, fp32.
+    The last step normalises columns, so columns sum to 1 exactly and rows to within the iteration's tolerance."""
+    log_p = logits.float()
+    for _ in range(iterations):
+        log_p = log_p - log_p.logsumexp(dim=-1, keepdim=True)
+        log_p = log_p - log_p.logsumexp(dim=-2, keepdim=True)
+    return log_p.exp()
+
+
+class ManifoldHyperConnection(nn.Module):
+    """The pre / post / residual mappings around one sublayer."""
+
+    def __init__(self, block: TopologyBlock, n: int, iterations: int):
+        super().__init__()
+        d, device = block.config.d_model, block.config.init_device
+        self.n, self.iterations = n, iterations
+        self.norm = block.new_norm(n * d)
+        self.proj = nn.Parameter(torch.empty(n * d, n * n + 2 * n, device=device))  # P_pre | P_post | P_res
+        self.gates = nn.Parameter(torch.empty(3, device=device))  # a_pre, a_post, a_res
+        self.bias_pre = nn.Parameter(torch.empty(n, device=device))
+        self.bias_post = nn.Parameter(torch.empty(n, device=device))
+        self.bias_res = nn.Parameter(torch.empty(n, n, device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        n = self.n
+        self.norm.reset_parameters()
+        with torch.no_grad():
+            nn.init.normal_(self.proj, std=1.0 / math.sqrt(self.proj.shape[0]))
+            self.gates.fill_(_GATE_INIT)
+            self.bias_pre.fill_(-math.log(n - 1) if n > 1 else 0.0)  # logit(1/n)
+            self.bias_post.zero_()
+            self.bias_res.zero_()
+
+    def coefficients(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h: (B, T, n, d) -> H_pre (B, T, n), H_post (B, T, n), H_res (B, T, n, n); all fp32."""
+        n = self.n
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            normed = self.norm(h.flatten(-2)).float()
+            logits = normed @ self.proj.float()
+            gates = self.gates.float()
+            pre = torch.sigmoid(gates[0] * logits[..., :n] + self.bias_pre.float())
+            post = 2.0 * torch.sigmoid(gates[1] * logits[..., n : 2 * n] + self.bias_post.float())
+            res_logits = gates[2] * logits[..., 2 * n :].unflatten(-1, (n, n)) + self.bias_res.float()
+            res = sinkhorn(res_logits, self.iterations)
+        return pre, post, res
+
+    def width(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> branch input (B, T, d), mixed streams H_res H (B, T, n, d), H_post (B, T, n), in h's dtype."""
+        pre, post, res = self.coefficients(h)
+        inp = torch.einsum("btsd,bts->btd", h, pre.to(h.dtype))
+        mixed = torch.einsum("btjs,btsd->btjd", res.to(h.dtype), h)
+        return inp, mixed, post.to(h.dtype)
+
+    @staticmethod
+    def depth(mixed: torch.Tensor, post: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        return mixed + post.unsqueeze(-1) * out.unsqueeze(-2)
+
+    @staticmethod
+    def num_params(config: ModelConfig, n: int) -> int:
+        d = config.d_model
+        return norm_params(config, n * d) + n * d * (n * n + 2 * n) + 3 + 2 * n + n * n
+
+
+class ManifoldHyperConnectionBlock(TopologyBlock):
+    """``attn_norm`` / ``ff_norm`` keep their Pre-Norm role inside each branch."""
+
+    def __init__(self, layer_id, config, cache):
+        super().__init__(layer_id, config, cache)
+        self.n_streams = config.mhc_expansion_rate
+        self.stream_names = tuple(f"stream_{i + 1}" for i in range(self.n_streams))
+        self.attn_mhc = ManifoldHyperConnection(self, self.n_streams, config.mhc_sinkhorn_iterations)
+        self.ff_mhc = ManifoldHyperConnection(self, self.n_streams, config.mhc_sinkhorn_iterations)
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        self.attn_mhc.reset_parameters()
+        self.ff_mhc.reset_parameters()
+
+    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+        if self.is_first:  # embedding (B, T, d) -> n equal streams (B, T, n, d)
+            h = x.unsqueeze(-2).expand(*x.shape[:-1], self.n_streams, x.shape[-1])
+        else:
+            h = x.unflatten(-1, (self.n_streams, -1))
+        inp, mixed, post = self.attn_mhc.width(h)
+        att, cache = self.attention_branch(
+            self.norm(self.attn_norm, inp), attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens
+        )
+        h = self.attn_mhc.depth(mixed, post, att)
+        inp, mixed, post = self.ff_mhc.width(h)
+        h = self.ff_mhc.depth(mixed, post, self.mlp_branch(self.norm(self.ff_norm, inp)))
+        if self.is_last:
+            return h.mean(dim=-2), cache
+        return h.flatten(-2), cache
+
+    @classmethod
+    def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
+        n = config.mhc_expansion_rate
+        return super().extra_params(config, layer_id) + 2 * ManifoldHyperConnection.num_params(config, n)

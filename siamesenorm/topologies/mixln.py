@@ -1,0 +1,38 @@
+"""Mix-LN (Li et al., arXiv 2412.13795): Post-LN in the shallow layers, Pre-LN in the deep ones.
+
+    P = floor(rho * N)                     rho = ``mixln_post_fraction`` (0.25), N = n_layers
+    layer l < P:    X = LN(X + F(X))       after attention and after the MLP (post.py)
+    layer l >= P:   X = X + F(LN(X))       OLMo's own Pre-Norm sequential block computation
+
+rho = 0 is Pre-Norm, rho = 1 is Post-Norm (both tested). Mix-LN's own code calls this "post_pre"; here that name
+is SiameseNorm's, so this one is ``mixln``.
+"""
+
+from __future__ import annotations
+
+import math
+
+from olmo.config import ModelConfig
+from olmo.model import OLMoSequentialBlock
+
+from .post import PostNormBlock
+
+__all__ = ["MixLNBlock", "mixln_post_layers"]
+
+
+def mixln_post_layers(config: ModelConfig) -> int:
+    """How many leading layers are Post-LN. The epsilon keeps e.g. 0.29 * 100 at 29 despite rounding."""
+    return math.floor(config.mixln_post_fraction * config.n_layers + 1e-9)
+
+
+class MixLNBlock(PostNormBlock):
+    def __init__(self, layer_id, config, cache):
+        super().__init__(layer_id, config, cache)
+        self.is_post_ln = layer_id < mixln_post_layers(config)
+
+    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+        if self.is_post_ln:
+            return self.post_norm_forward(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        return OLMoSequentialBlock.forward(
+            self, x, attention_bias, layer_past, use_cache, max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens
+        )

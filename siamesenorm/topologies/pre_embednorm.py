@@ -1,0 +1,30 @@
+"""Pre-Norm with a parameter-free RMSNorm on the embedding: the paper's figure-2 probe.
+
+    X_0 = RMSNorm(embedding)          (no learnable scale: ``emb_norm`` in block 0)
+    X   = X + F(LN(X))                OLMo's own Pre-Norm sequential block computation, unchanged
+
+It separates "the embedding's scale" from "the residual stream's growth" in the hidden-state magnitude analysis
+(paper figure 2a): its parameters are exactly Pre-Norm's.
+"""
+
+from __future__ import annotations
+
+from olmo.model import OLMoSequentialBlock, RMSLayerNorm
+
+from .base import TopologyBlock
+
+__all__ = ["PreEmbedNormBlock"]
+
+
+class PreEmbedNormBlock(TopologyBlock):
+    def __init__(self, layer_id, config, cache):
+        super().__init__(layer_id, config, cache)
+        if self.is_first:
+            self.emb_norm = RMSLayerNorm(config, size=config.d_model, elementwise_affine=False)
+
+    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+        if self.is_first:
+            x = self.norm(self.emb_norm, x)
+        return OLMoSequentialBlock.forward(
+            self, x, attention_bias, layer_past, use_cache, max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens
+        )

@@ -1,0 +1,50 @@
+"""ResiDual (Xie et al., arXiv 2304.14802): a Post-LN main stream X plus an accumulator D of raw sublayer outputs.
+
+    X_0 = D_0 = embedding
+    for each sublayer F (attention, then MLP):   O = F(X);   X = LN(X + O);   D = D + O
+    output  = X + LN^D(D)                         (``out_norm_dual`` in the last block; OLMo's ``ln_f`` follows)
+
+D feeds no sublayer input: it only collects every raw output, so it gives the embedding and every layer a
+Pre-Norm-like identity path to the output, while every sublayer sees the bounded Post-LN state. This is the
+difference from SiameseNorm, whose Pre-Norm stream also feeds the sublayers (paper, appendix A.1).
+
+    X --+--F--+--(+)--LN--> X
+        |     |
+    D --------+--(+)------> D
+"""
+
+from __future__ import annotations
+
+from olmo.config import ModelConfig
+
+from .base import TopologyBlock, norm_params
+
+__all__ = ["ResiDualBlock"]
+
+
+class ResiDualBlock(TopologyBlock):
+    """``attn_norm`` / ``ff_norm`` (OLMo's names) are the Post-LN norms of X."""
+
+    n_streams = 2
+    stream_names = ("post_ln", "accumulator")
+
+    def __init__(self, layer_id, config, cache):
+        super().__init__(layer_id, config, cache)
+        if self.is_last:
+            self.out_norm_dual = self.new_norm()
+
+    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+        xs, ds = self.split_streams(x)
+        o, cache = self.attention_branch(xs, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        xs = self.norm(self.attn_norm, xs + o)
+        ds = ds + o
+        o = self.mlp_branch(xs)
+        xs = self.norm(self.ff_norm, xs + o)
+        ds = ds + o
+        if self.is_last:
+            return xs + self.norm(self.out_norm_dual, ds), cache
+        return self.stack_streams([xs, ds]), cache
+
+    @classmethod
+    def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
+        return super().extra_params(config, layer_id) + (norm_params(config) if layer_id == config.n_layers - 1 else 0)
