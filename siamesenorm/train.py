@@ -5,13 +5,16 @@ This follows the structure of OLMo's own scripts/train.py (which the ai2-olmo wh
   type is written into the config that every checkpoint saves;
 - resuming takes the type from the checkpoint and refuses a contradicting MODEL_TYPE before any step;
 - a clear error for missing data; a dry run; a JSON-lines metrics file per run; wandb offline by default;
-- the CPU fixes listed in docs/training.md (torch 2.13 + ai2-olmo 0.6.0), done here, never in the package.
+- the CPU fixes listed in docs/training.md (torch 2.13 + ai2-olmo 0.6.0), done here, never in the package;
+- a divergence guard and loss-spike counter after every step, and a run record (run.json) per run
+  (siamesenorm/records.py has the rules).
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import socket
@@ -38,6 +41,17 @@ from olmo.util import clean_opt, find_latest_checkpoint
 
 from .config import SiameseModelConfig, resolve_model_type, validate_model_config
 from .model import build_model, num_params_from_config
+from .records import (
+    EXIT_DIVERGED,
+    RECORD_NAME,
+    Diverged,
+    StabilityConfig,
+    StabilityMonitor,
+    config_hash,
+    split_eval_metrics,
+    variant_knobs,
+    write_record,
+)
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +65,8 @@ class SiameseTrainConfig(TrainConfig):
     model: SiameseModelConfig = field(default_factory=SiameseModelConfig)
     metrics_file: Optional[str] = None
     """JSON lines, one per logged step and per evaluation; default ``{save_folder}/metrics.jsonl``."""
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    """The divergence guard and the loss-spike rule (siamesenorm/records.py)."""
 
 
 class RunError(OLMoConfigurationError):
@@ -131,10 +147,78 @@ def find_resume_path(cfg: SiameseTrainConfig) -> Optional[str]:
 
 # ---- the trainer ------------------------------------------------------------------------------------------------
 class SiameseTrainer(Trainer):
-    """OLMo's Trainer plus a metrics file; CPU-safe RNG state (no CUDA RNG without CUDA)."""
+    """OLMo's Trainer plus a metrics file, the divergence guard, the run record; CPU-safe RNG state."""
 
     last_eval_metrics: Dict[str, float] = {}
     last_train_metrics: Dict[str, float] = {}
+    monitor: Optional[StabilityMonitor] = None
+    record_info: Optional[Dict[str, Any]] = None  # the run's fixed facts; None: no run record (unit tests)
+    status: str = "running"
+
+    # ---- stability ----------------------------------------------------------------------------------------------
+    def train_step(self, batch: Dict[str, Any], reduce_global_loss: bool = True) -> Dict[str, float]:
+        """OLMo's step, then the guard on the global loss and gradient norm (identical on every rank).
+
+        The loss is reduced every step (OLMo reduces it only on logging steps): rank 0 then holds the global mean
+        and broadcasts it with the gradient norm, one extra 2-float collective per step. OLMo's own NaN check
+        raises on rank 0 only; it is turned into the same decision on every rank here."""
+        try:
+            metrics = super().train_step(batch, reduce_global_loss=True)
+        except ValueError as err:
+            if "nan loss" not in str(err):
+                raise
+            metrics = {"train/CrossEntropyLoss": float("nan")}
+        except OverflowError:  # OLMo's exp(loss) for the perplexity metric, loss > 709 nats
+            metrics = {"train/CrossEntropyLoss": self.cur_train_loss}
+        loss = metrics["train/CrossEntropyLoss"]
+        grad_norm = metrics.get("optim/total_grad_norm")
+        values = torch.tensor([loss, 0.0 if grad_norm is None else grad_norm, grad_norm is not None], dtype=torch.float64)
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            values = values.to(self.device)
+            dist.broadcast(values, 0)
+            values = values.cpu()
+        loss, grad_norm = float(values[0]), (float(values[1]) if values[2] else None)
+        if self.monitor is not None:
+            try:
+                self.monitor.update(self.global_step, loss, grad_norm)
+            except Diverged as diverged:
+                self.cur_train_loss = loss
+                self.write_metrics({"step": self.global_step, "tokens": self.global_train_tokens_seen, "loss": loss,
+                                    "grad_norm": grad_norm, "diverged": diverged.reason, "time": time.time()})
+                raise
+            metrics["stability/loss_spikes"] = self.monitor.spike_count
+        return metrics
+
+    # ---- the run record -----------------------------------------------------------------------------------------
+    def run_record(self, status: str, **extra: Any) -> Dict[str, Any]:
+        perplexity, downstream = split_eval_metrics(self.last_eval_metrics)
+        record = {
+            **(self.record_info or {}),
+            "status": status,
+            "step": self.global_step,
+            "tokens_seen": self.global_train_tokens_seen,
+            "max_steps": self.max_steps,
+            "token_budget": self.max_steps * self.tokens_per_batch,
+            "final_train_loss": self.cur_train_loss if math.isfinite(self.cur_train_loss) else None,
+            "loss_spikes": self.monitor.spike_count if self.monitor else 0,
+            "spike_steps": [s["step"] for s in self.monitor.spikes] if self.monitor else [],
+            "spikes": self.monitor.spikes if self.monitor else [],
+            "perplexity": perplexity,
+            "val_perplexity": next(iter(perplexity.values()), None),
+            "downstream": downstream,
+            "eval_step": self.last_eval_step,
+        }
+        record.update(extra)
+        return record
+
+    last_eval_step: Optional[int] = None
+
+    def save_record(self, status: str, **extra: Any) -> None:
+        from olmo.torch_util import get_global_rank
+
+        self.status = status
+        if self.record_info is not None and get_global_rank() == 0:
+            write_record(self.cfg.save_folder, self.run_record(status, **extra))
 
     @property
     def metrics_path(self) -> Path:
@@ -146,6 +230,7 @@ class SiameseTrainer(Trainer):
         if get_global_rank() != 0:
             return
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
@@ -161,6 +246,7 @@ class SiameseTrainer(Trainer):
                     "lr": metrics.get("optim/learning_rate_group0"),
                     "grad_norm": metrics.get("optim/total_grad_norm"),
                     "tokens_per_second_per_device": metrics.get("throughput/device/tokens_per_second"),
+                    "loss_spikes": metrics.get("stability/loss_spikes"),
                     "time": time.time(),
                 }
             )
@@ -168,7 +254,9 @@ class SiameseTrainer(Trainer):
     def eval(self) -> Dict[str, Any]:
         metrics = super().eval()
         self.last_eval_metrics = {k: float(v) for k, v in metrics.items()}
+        self.last_eval_step = self.global_step
         self.write_metrics({"step": self.global_step, "tokens": self.global_train_tokens_seen, "eval": self.last_eval_metrics})
+        self.save_record("running")
         return metrics
 
     def trainer_state_dict(self) -> Dict[str, Any]:
@@ -334,10 +422,60 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
             )
         if cfg.stop_at is None and cfg.stop_after is None:
             cfg.stop_at = trainer.max_steps  # OLMo would otherwise run 10 steps past max_duration
-        trainer.fit()
+        trainer.monitor = StabilityMonitor(cfg.stability, cfg.model.vocab_size, warmup_steps(cfg))
+        trainer.record_info = record_info(cfg, config_path, model_type, source, olmo_model.num_params())
+        previous = Path(cfg.save_folder) / RECORD_NAME
+        if load_path is not None and previous.is_file():
+            trainer.monitor.restore(json.loads(previous.read_text()).get("spikes", []))
+        trainer.save_record("running")
+        try:
+            trainer.fit()
+        except Diverged as diverged:
+            trainer.save_record("diverged", diverged_at_step=diverged.step, divergence=diverged.reason)
+            if get_global_rank() == 0:
+                print(f"diverged at step {diverged.step}: {diverged.reason}; record: {previous}", flush=True)
+            return EXIT_DIVERGED
+        except BaseException as err:  # an error or an interrupt: the record says the run ended early
+            trainer.save_record("stopped", error=f"{type(err).__name__}: {err}"[:500])
+            raise
+        trainer.save_record("finished" if trainer.global_step >= trainer.max_steps else "stopped")
         if get_global_rank() == 0:
             report(trainer)
     return 0
+
+
+def warmup_steps(cfg: SiameseTrainConfig) -> int:
+    """The scheduler's warmup in optimizer steps (OLMo counts it in steps or in tokens)."""
+    warmup = float(cfg.scheduler.t_warmup)
+    if str(cfg.scheduler.units) == "tokens":
+        warmup /= cfg.global_train_batch_size * cfg.model.max_sequence_length
+    return int(math.ceil(warmup))
+
+
+def record_info(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: str, n_params: int) -> Dict:
+    """What a run record says about the run itself (siamesenorm/records.py adds its progress and results)."""
+    from olmo.torch_util import get_world_size
+
+    return {
+        "run_name": cfg.run_name,
+        "config": str(config_path),
+        "save_folder": str(cfg.save_folder),
+        "model_type": model_type,
+        "model_type_source": source,
+        "variant_knobs": variant_knobs(cfg.model),
+        "config_hash": config_hash(cfg),
+        "learning_rate": float(cfg.optimizer.learning_rate),
+        "max_duration": str(cfg.max_duration),
+        "parameters": n_params,
+        "world_size": get_world_size(),
+        "stability": {
+            "max_loss": cfg.stability.max_loss if cfg.stability.max_loss is not None else math.log(cfg.model.vocab_size),
+            "grace_steps": cfg.stability.grace_steps if cfg.stability.grace_steps is not None else warmup_steps(cfg),
+            "patience": cfg.stability.patience,
+            "spike_window": cfg.stability.spike_window,
+            "spike_factor": cfg.stability.spike_factor,
+        },
+    }
 
 
 def build_optimizer_with_coefficients(cfg: SiameseTrainConfig, model: torch.nn.Module):

@@ -167,6 +167,31 @@ class TopologyBlock(OLMoSequentialBlock):
     def stack_streams(streams: list[torch.Tensor]) -> torch.Tensor:
         return torch.cat(streams, dim=-1)
 
+    #: Set (to a list) by the analysis tools: the last block appends its streams here just before fusing them.
+    stream_capture: Optional[list] = None
+
+    def contributions(self, streams: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What each stream adds to the fused state that OLMo's final norm receives (the last block fuses)."""
+        return streams
+
+    def fusion_weights(self) -> list[float]:
+        """The scale each stream enters the fusion with (mean of its output norm's weight, or a constant)."""
+        return [1.0] * self.n_streams
+
+    def finish(self, streams: list[torch.Tensor]) -> torch.Tensor:
+        """End of a block: stack the streams, or, in the last block, fuse them (sum of their contributions)."""
+        if not self.is_last:
+            return self.stack_streams(streams) if len(streams) > 1 else streams[0]
+        if self.stream_capture is not None:
+            self.stream_capture.append([s.detach() for s in streams])
+        parts = self.contributions(streams)
+        return sum(parts[1:], parts[0])
+
+    def skip(self, x: torch.Tensor) -> torch.Tensor:
+        """This block with its sublayers removed (the depth probe): the streams pass through unchanged, widened
+        where this block widens the state and fused where it fuses."""
+        return self.finish(self.split_streams(x))
+
 
 def two_stream_fusion_params(config: ModelConfig, layer_id: int) -> int:
     """out_norm_x and out_norm_y, in the last block only."""
@@ -185,14 +210,21 @@ class TwoStreamBlock(TopologyBlock):
             self.out_norm_x = self.new_norm()
             self.out_norm_y = self.new_norm()
 
-    def finish(self, x_stream: torch.Tensor, y_stream: torch.Tensor) -> torch.Tensor:
-        if self.is_last:  # fuse; OLMo's ln_f follows
-            return self.norm(self.out_norm_x, x_stream) + self.norm(self.out_norm_y, y_stream)
-        return self.stack_streams([x_stream, y_stream])
+    def contributions(self, streams):  # LN^out_X(X) + LN^out_Y(Y); OLMo's ln_f follows
+        x_stream, y_stream = streams
+        return [self.norm(self.out_norm_x, x_stream), self.norm(self.out_norm_y, y_stream)]
+
+    def fusion_weights(self) -> list[float]:
+        return [_mean_weight(self.out_norm_x), _mean_weight(self.out_norm_y)]
 
     @classmethod
     def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
         return super().extra_params(config, layer_id) + two_stream_fusion_params(config, layer_id)
+
+
+def _mean_weight(norm: LayerNormBase) -> float:
+    weight = getattr(norm, "weight", None)
+    return 1.0 if weight is None else float(weight.detach().float().mean())
 
 
 class _NoNorm:

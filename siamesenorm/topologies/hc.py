@@ -106,9 +106,7 @@ class HyperConnectionBlock(TopologyBlock):
         h = self.attn_hc.depth(carried, beta, att)
         inp, carried, beta = self.ff_hc.width(h)
         h = self.ff_hc.depth(carried, beta, self.mlp_branch(self.norm(self.ff_norm, inp)))
-        if self.is_last:
-            return h.sum(dim=-2), cache
-        return h.flatten(-2), cache
+        return self.finish(list(h.unbind(-2))), cache  # the last block sums the streams
 
     @classmethod
     def extra_params(cls, config: ModelConfig, layer_id: int) -> int:

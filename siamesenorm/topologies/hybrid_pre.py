@@ -61,7 +61,12 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
         if self.config.siamese_normalized_input:
             m = self.norm(self.ff_norm, m)
         o = self.mlp_branch(m)
-        return self.finish(xs + o / self.depth_scale, ys + o), cache
+        return self.finish([xs + o / self.depth_scale, ys + o]), cache
+
+    def input_scales(self, previous: "SiameseHybridPreBlock | None") -> dict:
+        """(scale of X, scale of Y) as each sublayer's input receives them (paper figure 6): gamma and LN^Y_attn for
+        the attention, LN^X_attn (X's last norm) and LN^Y_ffn for the MLP."""
+        return {"attention": (self.gamma, self.attn_norm_y), "mlp": (self.attn_norm_x, self.ff_norm_y)}
 
     @classmethod
     def extra_params(cls, config: ModelConfig, layer_id: int) -> int:

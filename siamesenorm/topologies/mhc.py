@@ -132,9 +132,13 @@ class ManifoldHyperConnectionBlock(TopologyBlock):
         h = self.attn_mhc.depth(mixed, post, att)
         inp, mixed, post = self.ff_mhc.width(h)
         h = self.ff_mhc.depth(mixed, post, self.mlp_branch(self.norm(self.ff_norm, inp)))
-        if self.is_last:
-            return h.mean(dim=-2), cache
-        return h.flatten(-2), cache
+        return self.finish(list(h.unbind(-2))), cache
+
+    def contributions(self, streams):  # the mean of the streams
+        return [s / self.n_streams for s in streams]
+
+    def fusion_weights(self) -> list[float]:
+        return [1.0 / self.n_streams] * self.n_streams
 
     @classmethod
     def extra_params(cls, config: ModelConfig, layer_id: int) -> int:

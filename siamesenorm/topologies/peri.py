@@ -44,3 +44,6 @@ class PeriNormBlock(TopologyBlock):
     @classmethod
     def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
         return super().extra_params(config, layer_id) + (3 if layer_id == 0 else 2) * norm_params(config)
+
+    def skip(self, x):
+        return self.norm(self.emb_norm, x) if self.is_first else x

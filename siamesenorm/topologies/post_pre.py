@@ -64,7 +64,13 @@ class SiamesePostPreBlock(TwoStreamBlock):
         o = self.mlp_branch(h)
         xs = self.norm(self.ff_norm_x, xs + o / self.depth_scale)
         ys = ys + o
-        return self.finish(xs, ys), cache
+        return self.finish([xs, ys]), cache
+
+    def input_scales(self, previous: "SiamesePostPreBlock | None") -> dict:
+        """(scale of X, scale of Y) as each sublayer's input receives them (paper figure 6): X was last normalised by
+        the previous sublayer's LN^X (None before layer 0's attention: X_0 is the embedding), Y by this LN^Y."""
+        x_attn = previous.ff_norm_x if previous is not None else None
+        return {"attention": (x_attn, self.attn_norm_y), "mlp": (self.attn_norm_x, self.ff_norm_y)}
 
     @classmethod
     def extra_params(cls, config: ModelConfig, layer_id: int) -> int:

@@ -28,3 +28,6 @@ class PreEmbedNormBlock(TopologyBlock):
         return OLMoSequentialBlock.forward(
             self, x, attention_bias, layer_past, use_cache, max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens
         )
+
+    def skip(self, x):
+        return self.norm(self.emb_norm, x) if self.is_first else x

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from olmo.config import ModelConfig
 
-from .base import TopologyBlock, norm_params
+from .base import TopologyBlock, _mean_weight, norm_params
 
 __all__ = ["ResiDualBlock"]
 
@@ -41,9 +41,14 @@ class ResiDualBlock(TopologyBlock):
         o = self.mlp_branch(xs)
         xs = self.norm(self.ff_norm, xs + o)
         ds = ds + o
-        if self.is_last:
-            return xs + self.norm(self.out_norm_dual, ds), cache
-        return self.stack_streams([xs, ds]), cache
+        return self.finish([xs, ds]), cache
+
+    def contributions(self, streams):  # X + LN^D(D)
+        xs, ds = streams
+        return [xs, self.norm(self.out_norm_dual, ds)]
+
+    def fusion_weights(self) -> list[float]:
+        return [1.0, _mean_weight(self.out_norm_dual)]
 
     @classmethod
     def extra_params(cls, config: ModelConfig, layer_id: int) -> int:

@@ -1,0 +1,45 @@
+"""torchrun, with the run's outcome as the exit status: 0 finished, 3 diverged (the divergence guard stopped it),
+otherwise torchrun's own status. torchrun itself exits 1 whenever a worker fails, so a sweep could not tell a
+diverged run from a crash without this.
+
+  python scripts/launch.py --nproc_per_node 8 configs/OLMo-1B-2e-3.yaml --save_folder=runs/OLMo-1B-2e-3-post
+  (MODEL_TYPE and every other environment variable pass through; arguments before the .yaml go to torchrun)
+"""
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from siamesenorm.records import EXIT_DIVERGED, RECORD_NAME  # noqa: E402
+
+
+def main(argv) -> int:
+    split = next((i for i, a in enumerate(argv) if a.endswith((".yaml", ".yml"))), None)
+    if split is None:
+        print("usage: python scripts/launch.py [torchrun options] CONFIG.yaml [--key=value ...]", file=sys.stderr)
+        return 2
+    torchrun_args, config, overrides = argv[:split], argv[split], argv[split + 1 :]
+    cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, str(ROOT / "scripts" / "train.py"), config,
+           *overrides]
+    started = time.time()
+    code = subprocess.call(cmd)
+    if code == 0:
+        return 0
+    from siamesenorm.train import load_config
+
+    options = [o for o in overrides if o.startswith("--") and o != "--dry-run"]
+    record = Path(load_config(config, options).save_folder) / RECORD_NAME
+    outcome = json.loads(record.read_text()) if record.is_file() else {}
+    if outcome.get("status") == "diverged" and outcome.get("updated", 0) >= started:  # this launch's record
+        print(f"launch: the run diverged (see {record}); exit status {EXIT_DIVERGED}", file=sys.stderr)
+        return EXIT_DIVERGED
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

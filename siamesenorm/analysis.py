@@ -1,0 +1,422 @@
+"""The paper's analyses (sections 2 and 5) on our checkpoints and runs. Each returns a JSON-ready dict; plotting is
+in ``plot_*``; scripts/analyze.py is the command line.
+
+| tool          | paper        | needs                                   |
+| ------------- | ------------ | --------------------------------------- |
+| magnitudes    | figure 2a    | a model and evaluation tokens           |
+| grad_norms    | figure 5     | run folders (metrics.jsonl)             |
+| stream_ratios | figure 6     | a post_pre / hybrid_pre model           |
+| lens          | section 5.2  | a multi-stream model and tokens         |
+| depth         | introduction | a model and tokens (layer pruning)      |
+| loss_curves   | figs 2b,4,8  | run folders (metrics.jsonl)             |
+
+A tool that does not apply to a model (stream ratios of a single-stream model) raises NotApplicable with the
+reason; the command line reports it and writes ``{"applies": false, "reason": ...}``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import math
+from glob import glob
+from pathlib import Path
+from typing import Dict, Iterator, List, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from olmo.model import OLMo
+
+from .topologies.base import TopologyBlock
+
+__all__ = [
+    "NotApplicable",
+    "load_model",
+    "fresh_model",
+    "eval_tokens",
+    "perplexity",
+    "hidden_magnitudes",
+    "stream_ratios",
+    "fusion_and_lens",
+    "lens_agreement",
+    "depth_probe",
+    "read_metrics",
+    "grad_norm_curves",
+    "loss_curves",
+]
+
+
+class NotApplicable(Exception):
+    """The tool does not apply to this model; the message says why."""
+
+
+# ---- models and data ------------------------------------------------------------------------------------------------
+def checkpoint_folder(path: str | Path) -> Path:
+    """A checkpoint folder (config.yaml + model.pt or rank*.pt) from itself or from a run folder (its latest)."""
+    folder = Path(path)
+    if (folder / "config.yaml").is_file() and ((folder / "model.pt").is_file() or list(folder.glob("rank*.pt"))):
+        return folder
+    from olmo.util import find_latest_checkpoint
+
+    latest = find_latest_checkpoint(folder) if folder.is_dir() else None
+    if latest is None:
+        raise FileNotFoundError(f"{folder}: no OLMo checkpoint here or in its step*/ folders; train with save_interval set.")
+    return Path(latest)
+
+
+def load_model(path: str | Path):
+    """(model in eval mode on CPU, its SiameseTrainConfig) from a checkpoint or run folder."""
+    from .checkpoints import load_model_state
+    from .model import build_model
+    from .train import load_config
+
+    folder = checkpoint_folder(path)
+    cfg = load_config(str(folder / "config.yaml"))
+    cfg.model.init_device = "cpu"
+    model = build_model(cfg.model, cfg.model.model_type or "pre", init_params=False)
+    model.load_state_dict(load_model_state(folder))
+    return model.eval(), cfg
+
+
+def fresh_model(config_path: str, model_type: str, seed: int = 0):
+    """A freshly initialised model of a recipe (the initial state of the magnitudes figure)."""
+    from .model import build_model
+    from .train import load_config
+
+    cfg = load_config(config_path)
+    cfg.model.init_device = "cpu"
+    torch.manual_seed(seed)
+    return build_model(cfg.model, model_type).eval(), cfg
+
+
+def _documents(path: Path) -> Iterator[str]:
+    if path.suffix == ".txt":
+        yield path.read_text(encoding="utf-8")
+        return
+    opener = gzip.open if path.suffix == ".gz" else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                yield json.loads(line)["text"]
+
+
+def eval_tokens(cfg, tokens: Optional[str] = None, text: Optional[str] = None, max_sequences: int = 32,
+                val_fraction: float = 0.05) -> torch.Tensor:
+    """(N, max_sequence_length) token ids for evaluation, cut from consecutive tokens like OLMo's memmap dataset:
+    - ``tokens``: OLMo memmap token files (globs allowed), dtype from the run's data.memmap_dtype;
+    - ``text``: .txt / .jsonl[.gz] documents; only those scripts/prepare_data.py would hold out for validation
+      (same hash rule and val_fraction) are used, tokenized with the run's tokenizer, EOS after each;
+    - neither: the run's first lm evaluator's token files (its validation split)."""
+    seq = cfg.model.max_sequence_length
+    if text is not None:
+        from .data import is_validation, load_tokenizer
+
+        tok = load_tokenizer(cfg.tokenizer.identifier)
+        ids: List[int] = []
+        for doc in _documents(Path(text)):
+            if is_validation(doc, val_fraction):
+                ids.extend(tok.encode(doc).ids + [cfg.model.eos_token_id])
+            if len(ids) >= seq * max_sequences:
+                break
+        flat = np.asarray(ids, dtype=np.int64)
+    else:
+        if tokens is None:
+            lm = [e for e in cfg.evaluators if str(e.type) == "lm"]
+            if not lm:
+                raise FileNotFoundError("the run has no lm evaluator: pass --tokens or --text.")
+            paths = [p for group in (lm[0].data.datasets or {}).values() for p in group] or list(lm[0].data.paths)
+            dtype = lm[0].data.memmap_dtype
+        else:
+            paths, dtype = [tokens], cfg.data.memmap_dtype
+        files = sorted(f for p in paths for f in (glob(str(p)) if any(c in str(p) for c in "*?[") else [str(p)]))
+        if not files or not all(Path(f).is_file() for f in files):
+            raise FileNotFoundError(f"no token files at {paths}: prepare data with scripts/prepare_data.py.")
+        flat = np.concatenate([np.memmap(f, dtype=np.dtype(dtype), mode="r") for f in files]).astype(np.int64)
+    n = min(max_sequences, len(flat) // seq)
+    if n == 0:
+        raise ValueError(f"fewer than {seq} evaluation tokens: pass more data.")
+    return torch.from_numpy(flat[: n * seq].reshape(n, seq).copy())
+
+
+@torch.no_grad()
+def perplexity(model: OLMo, batch: torch.Tensor, batch_size: int = 8) -> float:
+    """exp(mean next-token cross-entropy over every predicted token of the batch)."""
+    total, count = 0.0, 0
+    for chunk in batch.split(batch_size):
+        logits = model(chunk).logits[:, :-1].float()
+        total += F.cross_entropy(logits.flatten(0, 1), chunk[:, 1:].flatten(), reduction="sum").item()
+        count += chunk[:, 1:].numel()
+    return math.exp(total / count)
+
+
+def stream_names(model: OLMo) -> List[str]:
+    last = model.transformer.blocks[-1] if hasattr(model.transformer, "blocks") else None
+    return list(getattr(last, "stream_names", ("residual",)))
+
+
+def _blocks(model: OLMo) -> List[torch.nn.Module]:
+    if hasattr(model.transformer, "blocks"):
+        return list(model.transformer.blocks)
+    return [b for group in model.transformer.block_groups for b in group]
+
+
+@contextlib.contextmanager
+def _captured_streams(model: OLMo):
+    """Collect each block's input, the last block's output, and (multi-stream) its streams before fusion."""
+    blocks = _blocks(model)
+    inputs: List[torch.Tensor] = []
+    outputs: List[torch.Tensor] = []
+    final: List[List[torch.Tensor]] = []
+    handles = [b.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach())) for b in blocks]
+    handles.append(blocks[-1].register_forward_hook(lambda m, args, out: outputs.append(out[0].detach())))
+    last = blocks[-1]
+    if isinstance(last, TopologyBlock):
+        last.stream_capture = final
+    try:
+        yield inputs, outputs, final
+    finally:
+        for h in handles:
+            h.remove()
+        if isinstance(last, TopologyBlock):
+            last.stream_capture = None
+
+
+# ---- figure 2a: hidden-state magnitude per layer and stream ---------------------------------------------------------
+@torch.no_grad()
+def hidden_magnitudes(model: OLMo, batch: torch.Tensor) -> Dict:
+    """RMS (over features, averaged over tokens and the batch) of every stream after each layer; layer 0 is the
+    embedding (copied into every stream). A bounded (normalised) stream stays at its norm's scale; a Pre-Norm
+    stream grows with depth."""
+    names = stream_names(model)
+    n_blocks = len(_blocks(model))
+    with _captured_streams(model) as (inputs, outputs, final):
+        model(batch)
+    per_layer: List[List[torch.Tensor]] = [[inputs[0]] * len(names)]
+    for i in range(1, n_blocks):
+        per_layer.append(list(inputs[i].chunk(len(names), dim=-1)))
+    per_layer.append(final[0] if final else [outputs[0]])
+    rms = {name: [float(layer[j].float().pow(2).mean(-1).sqrt().mean()) for layer in per_layer]
+           for j, name in enumerate(names)}
+    return {"model_type": model.config.model_type, "layers": list(range(len(per_layer))), "streams": names,
+            "rms": rms, "note": "layer 0 = embedding; layer l = after block l; RMS over features, mean over tokens"}
+
+
+# ---- figure 6: ratio of the two streams' input norm scales ----------------------------------------------------------
+def _scale(p) -> Optional[float]:
+    if p is None:
+        return None
+    weight = p if isinstance(p, torch.Tensor) else getattr(p, "weight", None)
+    return None if weight is None else float(weight.detach().float().abs().mean())
+
+
+def stream_ratios(model: OLMo) -> Dict:
+    """Per layer and sublayer: mean |scale X enters with| / mean |scale Y enters with| (post_pre, hybrid_pre)."""
+    blocks = _blocks(model)
+    if not hasattr(blocks[0], "input_scales"):
+        raise NotApplicable(
+            f"stream ratios compare the two streams that feed every sublayer (post_pre, hybrid_pre); "
+            f"MODEL_TYPE={model.config.model_type} has no such pair."
+        )
+    if not model.config.layer_norm_with_affine:
+        raise NotApplicable("stream ratios read learned norm scales; this model's norms have none.")
+    out: Dict[str, List[Optional[float]]] = {"attention": [], "mlp": []}
+    scales: Dict[str, List] = {"attention": [], "mlp": []}
+    for i, block in enumerate(blocks):
+        for sub, (sx, sy) in block.input_scales(blocks[i - 1] if i > 0 else None).items():
+            x, y = _scale(sx), _scale(sy)
+            scales[sub].append([x, y])
+            out[sub].append(None if x is None or not y else x / y)
+    return {"model_type": model.config.model_type, "layers": list(range(len(blocks))), "ratio_x_over_y": out,
+            "scales_x_y": scales, "streams": stream_names(model)}
+
+
+# ---- section 5.2: fusion weights and logit lens ---------------------------------------------------------------------
+def head_logits(model: OLMo, hidden: torch.Tensor) -> torch.Tensor:
+    """OLMo's output head on a pre-final-norm state: ln_f, then the (tied or separate) output projection."""
+    x = model.transformer.ln_f(hidden)
+    if model.config.weight_tying:
+        logits = F.linear(x, model.transformer.wte.weight, None)
+    else:
+        logits = model.transformer.ff_out(x)
+    if model.config.scale_logits:
+        logits = logits * (1 / math.sqrt(model.config.d_model))
+    return logits
+
+
+@torch.no_grad()
+def lens_agreement(model: OLMo, contributions: Sequence[torch.Tensor], names: Sequence[str]) -> Dict:
+    """How often each stream's own prediction (the head applied to its contribution alone) is the model's
+    (the head applied to the sum), over all positions and over those where the streams disagree."""
+    vocab = model.config.vocab_size
+    final = head_logits(model, sum(contributions[1:], contributions[0]))[..., :vocab].argmax(-1)
+    own = [head_logits(model, c)[..., :vocab].argmax(-1) for c in contributions]
+    disagree = torch.zeros_like(final, dtype=torch.bool)
+    for o in own[1:]:
+        disagree |= o != own[0]
+    result = {"positions": int(final.numel()), "disagreeing_positions": int(disagree.sum()), "match": {},
+              "match_where_streams_disagree": {}}
+    for name, o in zip(names, own):
+        same = o == final
+        result["match"][name] = float(same.float().mean())
+        result["match_where_streams_disagree"][name] = float(same[disagree].float().mean()) if disagree.any() else None
+    return result
+
+
+@torch.no_grad()
+def fusion_and_lens(model: OLMo, batch: torch.Tensor) -> Dict:
+    blocks = _blocks(model)
+    last = blocks[-1]
+    names = stream_names(model)
+    if not isinstance(last, TopologyBlock) or len(names) < 2:
+        raise NotApplicable(
+            f"fusion weights and the per-stream logit lens need several streams; MODEL_TYPE="
+            f"{model.config.model_type} has one."
+        )
+    with _captured_streams(model) as (_, _, final):
+        model(batch)
+    contributions = last.contributions(final[0])
+    return {"model_type": model.config.model_type, "streams": names,
+            "fusion_weights": dict(zip(names, last.fusion_weights())),
+            **lens_agreement(model, contributions, names)}
+
+
+# ---- the effective-depth probe ---------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def layers_removed(model: OLMo, removed: Sequence[int]):
+    """Within the block, the listed blocks are skipped: their sublayers contribute nothing (see TopologyBlock.skip;
+    OLMo's own Pre-Norm block becomes the identity)."""
+    blocks = _blocks(model)
+    saved = {}
+    for i in removed:
+        block = blocks[i]
+        saved[i] = block.forward
+        skip = block.skip if isinstance(block, TopologyBlock) else (lambda x: x)
+        block.forward = lambda x, *args, _skip=skip, **kwargs: (_skip(x), None)
+    try:
+        yield
+    finally:
+        for i, fwd in saved.items():
+            blocks[i].forward = fwd
+
+
+def depth_probe(model: OLMo, batch: torch.Tensor, max_k: Optional[int] = None) -> Dict:
+    n = len(_blocks(model))
+    max_k = n - 1 if max_k is None else min(max_k, n - 1)
+    full = perplexity(model, batch)
+    single = []
+    for i in range(n):
+        with layers_removed(model, [i]):
+            single.append(perplexity(model, batch))
+    last_k = [full]
+    for k in range(1, max_k + 1):
+        with layers_removed(model, range(n - k, n)):
+            last_k.append(perplexity(model, batch))
+    return {"model_type": model.config.model_type, "layers": n, "perplexity": full,
+            "without_layer": single, "without_last_k": last_k,
+            "note": "without_last_k[k]: the last k layers removed; without_last_k[0] is the full model"}
+
+
+# ---- figures 2b, 4, 5, 8: curves from metrics.jsonl ------------------------------------------------------------------
+def read_metrics(run: str | Path) -> List[Dict]:
+    path = Path(run)
+    path = path / "metrics.jsonl" if path.is_dir() else path
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no metrics file (runs write metrics.jsonl into their save_folder).")
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                raise ValueError(f"{path}:{n}: not JSON; a metrics line was cut (the run may still be writing).")
+    return rows
+
+
+def run_label(run: str | Path) -> str:
+    from .records import RECORD_NAME
+    from .tables import format_lr, method_name
+
+    folder = Path(run) if Path(run).is_dir() else Path(run).parent
+    record = folder / RECORD_NAME
+    if record.is_file():
+        rec = json.loads(record.read_text())
+        return f"{method_name(rec)}, lr {format_lr(rec['learning_rate'])}"
+    return folder.name
+
+
+def _curve(runs: Sequence[str | Path], key: str) -> Dict:
+    curves = {}
+    for run in runs:
+        rows = [r for r in read_metrics(run) if key in r and "step" in r]
+        label = run_label(run)
+        if label in curves:
+            label = f"{label} ({Path(run).name})"
+        curves[label] = {"run": str(run), "steps": [r["step"] for r in rows], key: [r[key] for r in rows]}
+    return {"metric": key, "runs": curves}
+
+
+def grad_norm_curves(runs: Sequence[str | Path]) -> Dict:
+    return _curve(runs, "grad_norm")
+
+
+def loss_curves(runs: Sequence[str | Path]) -> Dict:
+    return _curve(runs, "loss")
+
+
+# ---- plots -----------------------------------------------------------------------------------------------------------
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot(tool: str, result: Dict, path: str | Path, smooth: int = 1) -> None:
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    if tool == "magnitudes":
+        for name, values in result["rms"].items():
+            ax.plot(result["layers"], values, marker="o", label=name)
+        ax.set(xlabel="layer (0 = embedding)", ylabel="hidden-state RMS", yscale="log",
+               title=f"Hidden-state magnitude, {result['model_type']}")
+    elif tool == "stream-ratios":
+        for sub, values in result["ratio_x_over_y"].items():
+            ax.plot(result["layers"], [float("nan") if v is None else v for v in values], marker="o", label=sub)
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set(xlabel="layer", ylabel="input scale X / Y", title=f"Stream input-scale ratio, {result['model_type']}")
+    elif tool == "lens":
+        names = result["streams"]
+        x = np.arange(len(names))
+        ax.bar(x - 0.2, [result["match"][n] for n in names], 0.4, label="all positions")
+        ax.bar(x + 0.2, [result["match_where_streams_disagree"][n] or 0.0 for n in names], 0.4,
+               label="where streams disagree")
+        ax.set_xticks(x, [f"{n}\n(fusion {result['fusion_weights'][n]:.2f})" for n in names])
+        ax.set(ylabel="matches the model's prediction", ylim=(0, 1), title=f"Logit lens, {result['model_type']}")
+    elif tool == "depth":
+        n = result["layers"]
+        ax.plot(range(n), result["without_layer"], marker="o", label="one layer removed")
+        ax.plot(range(len(result["without_last_k"])), result["without_last_k"], marker="s", label="last k removed")
+        ax.axhline(result["perplexity"], color="grey", lw=0.5, label="full model")
+        ax.set(xlabel="layer index / k", ylabel="perplexity", yscale="log", title=f"Depth probe, {result['model_type']}")
+    elif tool in ("grad-norms", "loss-curves"):
+        key = result["metric"]
+        for label, curve in result["runs"].items():
+            ys = np.array([np.nan if v is None else v for v in curve[key]], dtype=float)
+            if smooth > 1 and len(ys) >= smooth:
+                ys = np.convolve(ys, np.ones(smooth) / smooth, mode="valid")
+                xs = curve["steps"][smooth - 1 :]
+            else:
+                xs = curve["steps"]
+            ax.plot(xs, ys, label=label, lw=1)
+        ax.set(xlabel="step", ylabel="gradient norm" if key == "grad_norm" else "training loss",
+               yscale="log" if key == "grad_norm" else "linear")
+    else:
+        raise ValueError(f"no plot for {tool}")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

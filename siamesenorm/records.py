@@ -1,0 +1,222 @@
+"""Training stability (divergence guard, loss-spike counter) and the per-run record that make_tables reads.
+
+The divergence guard, checked after every optimizer step on the global loss and gradient norm:
+  * a non-finite loss or gradient norm stops the run at that step (Adam's state is poisoned; it cannot recover);
+  * after ``grace_steps`` (default: the scheduler's warmup), a loss above ``max_loss`` (default ln(vocab_size), the
+    loss of a uniform guess) for ``patience`` consecutive steps stops the run at the last of them.
+A stopped run writes its record with status ``diverged`` (no checkpoint) and every rank exits with EXIT_DIVERGED.
+
+The loss-spike rule (the paper's "*"): after ``grace_steps``, once ``spike_window`` losses have been seen, step t
+starts a spike when loss_t > spike_factor * median(the last spike_window losses before t). Consecutive steps
+above the threshold are one spike; a spike ends at the first step back below it. Spike steps do not enter the
+window, so one long excursion does not raise its own baseline.
+
+The run record, ``{save_folder}/run.json``, is written when training starts (status ``running``), rewritten at
+every evaluation and at the end: ``finished`` (the token budget was reached), ``diverged`` or ``stopped`` (ended
+earlier: stop_at, cancellation, an error or an interrupt).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Deque, Dict, List, Optional
+
+__all__ = [
+    "EXIT_DIVERGED",
+    "RECORD_NAME",
+    "StabilityConfig",
+    "StabilityMonitor",
+    "Diverged",
+    "config_hash",
+    "write_record",
+    "read_record",
+    "DOWNSTREAM_LABELS",
+]
+
+#: Exit status of scripts/train.py (every rank) when the divergence guard stops a run. 1 is any crash, 2 a config
+#: error. torchrun itself exits 1 whenever a worker fails; scripts/launch.py maps the record back to this code.
+EXIT_DIVERGED = 3
+RECORD_NAME = "run.json"
+RECORD_VERSION = 1
+
+#: OLMo downstream evaluator labels of the paper's Table 1, in its column order.
+DOWNSTREAM_LABELS = (
+    "arc_easy",
+    "arc_challenge",
+    "hellaswag",
+    "piqa",
+    "winogrande",
+    "openbook_qa",
+    "basic_arithmetic",
+)
+
+
+@dataclass
+class StabilityConfig:
+    """``stability:`` in a training config. Defaults are for LM pretraining; the rule is in the module docstring."""
+
+    enabled: bool = True
+    max_loss: Optional[float] = None
+    """Loss bound after grace_steps; None = ln(model.vocab_size)."""
+    grace_steps: Optional[int] = None
+    """Steps before the loss bound and the spike rule apply; None = scheduler.t_warmup."""
+    patience: int = 10
+    """Consecutive steps above max_loss that stop the run (non-finite values stop it at once)."""
+    spike_window: int = 50
+    spike_factor: float = 1.2
+
+
+class Diverged(RuntimeError):
+    def __init__(self, step: int, reason: str):
+        super().__init__(f"divergence at step {step}: {reason}")
+        self.step, self.reason = step, reason
+
+
+class StabilityMonitor:
+    """Pure bookkeeping: feed it (step, loss, grad_norm) after each step; it raises Diverged and counts spikes.
+    Every rank feeds it the same values, so every rank takes the same decision."""
+
+    def __init__(self, cfg: StabilityConfig, vocab_size: int, warmup_steps: int):
+        if cfg.patience < 1 or cfg.spike_window < 1 or cfg.spike_factor <= 1.0:
+            raise ValueError(
+                "stability: patience and spike_window must be >= 1 and spike_factor > 1 "
+                f"(got {cfg.patience}, {cfg.spike_window}, {cfg.spike_factor})."
+            )
+        self.cfg = cfg
+        self.max_loss = cfg.max_loss if cfg.max_loss is not None else math.log(vocab_size)
+        self.grace_steps = cfg.grace_steps if cfg.grace_steps is not None else warmup_steps
+        self.window: Deque[float] = deque(maxlen=cfg.spike_window)
+        self.above_bound = 0
+        self.in_spike = False
+        self.spikes: List[Dict[str, float]] = []
+
+    @property
+    def spike_count(self) -> int:
+        return len(self.spikes)
+
+    def restore(self, spikes: List[Dict[str, float]]) -> None:
+        """Continue the spike count of a resumed run (its loss window starts empty)."""
+        self.spikes = list(spikes)
+
+    def update(self, step: int, loss: float, grad_norm: Optional[float]) -> None:
+        if not self.cfg.enabled:
+            return
+        if not math.isfinite(loss):
+            raise Diverged(step, f"non-finite loss ({loss})")
+        if grad_norm is not None and not math.isfinite(grad_norm):
+            raise Diverged(step, f"non-finite gradient norm ({grad_norm})")
+        if step <= self.grace_steps:
+            self.window.append(loss)
+            return
+        self.above_bound = self.above_bound + 1 if loss > self.max_loss else 0
+        if self.above_bound >= self.cfg.patience:
+            raise Diverged(
+                step, f"loss {loss:.4f} above the bound {self.max_loss:.4f} for {self.above_bound} consecutive steps"
+            )
+        if len(self.window) < self.cfg.spike_window:
+            self.window.append(loss)
+            return
+        baseline = statistics.median(self.window)
+        if loss > self.cfg.spike_factor * baseline:
+            if not self.in_spike:
+                self.spikes.append({"step": step, "loss": loss, "baseline": baseline})
+            self.in_spike = True
+            return
+        self.in_spike = False
+        self.window.append(loss)
+
+
+# ---- the run record ---------------------------------------------------------------------------------------------
+#: Config fields that name, place or schedule a run without changing what is trained: left out of config_hash.
+_NOT_HASHED = (
+    "run_name",
+    "save_folder",
+    "remote_save_folder",
+    "save_overwrite",
+    "load_path",
+    "try_load_latest_save",
+    "stop_at",
+    "stop_after",
+    "wandb",
+    "metrics_file",
+    "console_log_interval",
+    "save_interval",
+    "save_interval_unsharded",
+    "save_interval_ephemeral",
+    "save_num_checkpoints_to_keep",
+    "save_num_unsharded_checkpoints_to_keep",
+    "dry_run",
+)
+
+
+def config_hash(cfg) -> str:
+    """sha256 (first 16 hex digits) of the resolved config, model_type included, without the fields above."""
+    values = cfg.asdict(exclude=list(_NOT_HASHED))
+    text = json.dumps(values, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def variant_knobs(model_cfg) -> Dict[str, Any]:
+    """The variant knobs of SiameseModelConfig that differ from their defaults (ablations such as no depth scaling)."""
+    from olmo.config import ModelConfig
+
+    from .config import SiameseModelConfig
+
+    own = {f.name: f for f in dataclasses.fields(SiameseModelConfig)}
+    olmo = {f.name for f in dataclasses.fields(ModelConfig)}
+    return {
+        name: getattr(model_cfg, name)
+        for name, f in own.items()
+        if name not in olmo and name != "model_type" and getattr(model_cfg, name) != f.default
+    }
+
+
+def split_eval_metrics(metrics: Dict[str, float]) -> tuple[Dict[str, float], Dict[str, float]]:
+    """OLMo's eval metric names -> ({lm label: perplexity}, {downstream label: accuracy in [0, 1]})."""
+    perplexity, downstream = {}, {}
+    for key, value in metrics.items():
+        parts = key.split("/")
+        if len(parts) == 3 and parts[0] == "eval" and parts[2] == "Perplexity":
+            perplexity[parts[1]] = float(value)
+        elif len(parts) == 3 and parts[:2] == ["eval", "downstream"]:
+            label, _, metric = parts[2].rpartition("_")
+            if metric in ("acc", "len_norm", "f1", "pmi_dc") and label:
+                downstream[label] = float(value)
+    return perplexity, downstream
+
+
+def write_record(folder: str | Path, record: Dict[str, Any]) -> Path:
+    """Atomically (temporary file, then rename) write ``run.json`` in ``folder``."""
+    path = Path(folder) / RECORD_NAME
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{RECORD_NAME}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**record, "version": RECORD_VERSION, "updated": time.time()}, indent=2) + "\n")
+    tmp.replace(path)
+    return path
+
+
+def read_record(path: str | Path) -> Dict[str, Any]:
+    """A run record from a run.json file or the run folder holding one."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / RECORD_NAME
+    try:
+        record = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{path}: no run record (runs write {RECORD_NAME} into their save_folder).") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not a JSON run record ({e}).") from None
+    missing = [k for k in ("model_type", "learning_rate", "status") if k not in record]
+    if missing:
+        raise ValueError(f"{path}: run record lacks {', '.join(missing)}.")
+    record.setdefault("path", str(path))
+    return record

@@ -1,0 +1,215 @@
+"""The paper's Table 1 from run records (run.json): rows are methods, grouped by learning-rate setting; columns are
+validation perplexity, the seven downstream accuracies and their average.
+
+Cell rules:
+  * PPL: the last validation perplexity (2 decimals); accuracies in percent (1 decimal); Avg: the mean of the seven
+    accuracies, only when all seven exist; "-" where a value does not exist;
+  * a diverged run: "diverge" in PPL and "-" in every other column;
+  * "*" after PPL: the run had loss spikes (records.py has the rule); "†" after PPL: the run has not finished
+    (status running or stopped), its values are its latest;
+  * bold: the best value of each column within a setting (lowest PPL, highest accuracy), ties all bold,
+    comparing the values as printed; diverged and missing cells never count. CSV has no bold.
+A setting is (learning rate, token budget); several records of the same method and setting: the newest is used.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import math
+import sys
+from dataclasses import dataclass
+from typing import Dict, Iterable, List, Optional, Sequence, Tuple
+
+from .records import DOWNSTREAM_LABELS
+
+__all__ = ["COLUMNS", "METHOD_NAMES", "Table", "build_table", "to_markdown", "to_csv", "to_latex", "method_name"]
+
+COLUMNS = ("PPL", "ARC-E", "ARC-C", "HellaSwag", "PIQA", "WinoGrande", "OBQA", "Arithmetic", "Avg")
+
+#: MODEL_TYPE -> the name the paper's tables use; the order is the row order.
+METHOD_NAMES = {
+    "pre": "Pre-Norm",
+    "pre_embednorm": "Pre-Norm + EmbedNorm",
+    "peri": "Peri-LN",
+    "post": "Post-Norm",
+    "deepnorm": "DeepNorm",
+    "mixln": "Mix-LN",
+    "residual": "ResiDual",
+    "hybrid": "HybridNorm",
+    "hybrid_star": "HybridNorm*",
+    "hc": "Hyper-Connections",
+    "mhc": "mHC",
+    "post_pre": "SiameseNorm (Post-Norm + Pre-Norm)",
+    "hybrid_pre": "SiameseNorm",
+}
+
+_KNOB_NAMES = {
+    ("siamese_depth_scaling", False): "w/o depth-wise scaling",
+    ("siamese_normalized_input", False): "w/o normalized input",
+}
+
+DIVERGE, MISSING, SPIKE, UNFINISHED = "diverge", "-", "*", "†"
+
+
+def method_name(record: Dict) -> str:
+    name = METHOD_NAMES.get(record["model_type"], record["model_type"])
+    knobs = record.get("variant_knobs") or {}
+    parts = [_KNOB_NAMES.get((k, v), f"{k}={v}") for k, v in sorted(knobs.items())]
+    return f"{name} ({', '.join(parts)})" if parts else name
+
+
+def _sort_key(record: Dict) -> Tuple:
+    order = list(METHOD_NAMES)
+    mt = record["model_type"]
+    return (order.index(mt) if mt in order else len(order), sorted((record.get("variant_knobs") or {}).items()))
+
+
+def format_lr(lr: float) -> str:
+    mantissa, exponent = f"{lr:e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return f"{mantissa}e{int(exponent)}"
+
+
+def format_tokens(n: Optional[int]) -> str:
+    if not n:
+        return "? tokens"
+    for size, unit in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.3g}{unit} tokens"
+    return f"{n} tokens"
+
+
+def setting_label(lr: float, tokens: Optional[int]) -> str:
+    return f"lr {format_lr(lr)}, {format_tokens(tokens)}"
+
+
+@dataclass
+class Row:
+    setting: str
+    method: str
+    values: List[Optional[float]]  # one per column; None: missing
+    texts: List[str]  # the cells as printed, without bold
+    diverged: bool
+
+
+@dataclass
+class Table:
+    settings: List[str]
+    rows: List[Row]
+    best: Dict[Tuple[int, int], bool]  # (row index, column index) -> bold
+
+    def rows_of(self, setting: str) -> List[Tuple[int, Row]]:
+        return [(i, r) for i, r in enumerate(self.rows) if r.setting == setting]
+
+
+def _row(record: Dict, setting: str) -> Row:
+    method = method_name(record)
+    if record.get("status") == "diverged":
+        return Row(setting, method, [None] * len(COLUMNS), [DIVERGE] + [MISSING] * (len(COLUMNS) - 1), True)
+    ppl = record.get("val_perplexity")
+    downstream = record.get("downstream") or {}
+    accs = [downstream.get(label) for label in DOWNSTREAM_LABELS]
+    accs = [None if a is None else 100.0 * a for a in accs]
+    avg = sum(accs) / len(accs) if all(a is not None for a in accs) else None
+    values = [ppl, *accs, avg]
+    texts = [MISSING if v is None else (f"{v:.2f}" if j == 0 else f"{v:.1f}") for j, v in enumerate(values)]
+    if ppl is not None:
+        if record.get("loss_spikes", 0) > 0:
+            texts[0] += SPIKE
+        if record.get("status") in ("running", "stopped"):
+            texts[0] += UNFINISHED
+    return Row(setting, method, [None if v is None else float(t.rstrip(SPIKE + UNFINISHED)) for v, t in
+                                 zip(values, texts)], texts, False)
+
+
+def build_table(records: Iterable[Dict], warn=sys.stderr) -> Table:
+    newest: Dict[Tuple[float, Optional[int], str], Dict] = {}
+    for rec in records:
+        key = (float(rec["learning_rate"]), rec.get("token_budget"), method_name(rec))
+        if key in newest:
+            older, newer = sorted((newest[key], rec), key=lambda r: r.get("updated", 0))
+            if warn is not None:
+                print(f"make_tables: two runs of {key[2]} at {setting_label(*key[:2])}: using "
+                      f"{newer.get('path', '?')}, not {older.get('path', '?')}", file=warn)
+            rec = newer
+        newest[key] = rec
+    setting_keys = sorted({(k[1] or 0, k[0]) for k in newest})  # by token budget, then learning rate
+    settings, rows = [], []
+    for tokens, lr in setting_keys:
+        label = setting_label(lr, tokens or None)
+        settings.append(label)
+        group = [r for k, r in newest.items() if k[0] == lr and (k[1] or 0) == tokens]
+        rows.extend(_row(r, label) for r in sorted(group, key=_sort_key))
+    best: Dict[Tuple[int, int], bool] = {}
+    table = Table(settings, rows, best)
+    for label in settings:
+        members = table.rows_of(label)
+        for j in range(len(COLUMNS)):
+            vals = [(i, r.values[j]) for i, r in members if r.values[j] is not None and not r.diverged]
+            if not vals:
+                continue
+            target = (min if j == 0 else max)(v for _, v in vals)
+            for i, v in vals:
+                if math.isclose(v, target, rel_tol=0, abs_tol=1e-12):
+                    best[(i, j)] = True
+    return table
+
+
+# ---- renderers ------------------------------------------------------------------------------------------------------
+def to_markdown(table: Table) -> str:
+    lines = ["| Setting | Method | " + " | ".join(COLUMNS) + " |", "| --- | --- |" + " ---: |" * len(COLUMNS)]
+    for label in table.settings:
+        for k, (i, row) in enumerate(table.rows_of(label)):
+            cells = [f"**{t}**" if table.best.get((i, j)) else t for j, t in enumerate(row.texts)]
+            lines.append(f"| {label if k == 0 else ''} | {row.method} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def to_csv(table: Table) -> str:
+    out = io.StringIO()
+    writer = csv.writer(out, lineterminator="\n")
+    writer.writerow(["Setting", "Method", *COLUMNS])
+    for row in table.rows:
+        writer.writerow([row.setting, row.method, *row.texts])
+    return out.getvalue()
+
+
+_LATEX_ESCAPES = {"&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#", "$": r"\$", "{": r"\{", "}": r"\}"}
+
+
+def _tex(text: str) -> str:
+    text = "".join(_LATEX_ESCAPES.get(c, c) for c in text)
+    return text.replace(SPIKE, r"$^{*}$").replace(UNFINISHED, r"$^{\dagger}$")
+
+
+def to_latex(table: Table) -> str:
+    """A booktabs table (needs \\usepackage{booktabs,multirow})."""
+    lines = [
+        r"\begin{tabular}{ll" + "r" * len(COLUMNS) + "}",
+        r"\toprule",
+        "Setting & Method & " + " & ".join(COLUMNS) + r" \\",
+    ]
+    for label in table.settings:
+        members = table.rows_of(label)
+        lines.append(r"\midrule")
+        for k, (i, row) in enumerate(members):
+            cells = [r"\textbf{" + _tex(t) + "}" if table.best.get((i, j)) else _tex(t) for j, t in enumerate(row.texts)]
+            first = rf"\multirow{{{len(members)}}}{{*}}{{{_tex(label)}}}" if k == 0 else ""
+            lines.append(f"{first} & {_tex(row.method)} & " + " & ".join(cells) + r" \\")
+    lines += [r"\bottomrule", r"\end{tabular}"]
+    return "\n".join(lines) + "\n"
+
+
+LEGEND = (
+    'diverge: the divergence guard stopped the run; *: loss spikes during training; †: not finished (latest values); '
+    "bold: best in its setting. PPL: validation perplexity; accuracies in %."
+)
+
+
+def render(table: Table, fmt: str) -> str:
+    return {"markdown": to_markdown, "csv": to_csv, "latex": to_latex}[fmt](table)
+
+
+def formats() -> Sequence[str]:
+    return ("markdown", "csv", "latex")
