@@ -133,7 +133,12 @@ def eval_tokens(cfg, tokens: Optional[str] = None, text: Optional[str] = None, m
         files = sorted(f for p in paths for f in (glob(str(p)) if any(c in str(p) for c in "*?[") else [str(p)]))
         if not files or not all(Path(f).is_file() for f in files):
             raise FileNotFoundError(f"no token files at {paths}: prepare data with scripts/prepare_data.py.")
-        flat = np.concatenate([np.memmap(f, dtype=np.dtype(dtype), mode="r") for f in files]).astype(np.int64)
+        # like OLMo's MemMapDataset: each file is cut into whole sequences on its own, its remainder dropped
+        chunks = []
+        for f in files:
+            arr = np.memmap(f, dtype=np.dtype(dtype), mode="r")
+            chunks.append(np.asarray(arr[: len(arr) // seq * seq], dtype=np.int64))
+        flat = np.concatenate(chunks)
     n = min(max_sequences, len(flat) // seq)
     if n == 0:
         raise ValueError(f"fewer than {seq} evaluation tokens: pass more data.")

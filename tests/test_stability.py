@@ -1,0 +1,121 @@
+"""The divergence guard and the loss-spike counter: the rule on its own, then real runs through OLMo's Trainer."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from test_training import ROOT, SMALL, TINY, learnable_tokens, torchrun
+
+from siamesenorm.records import EXIT_DIVERGED, Diverged, StabilityConfig, StabilityMonitor
+
+
+def monitor(**kw):
+    return StabilityMonitor(StabilityConfig(**{"spike_window": 5, "patience": 3, "max_loss": 5.0, **kw}),
+                            vocab_size=64, warmup_steps=2)
+
+
+def feed(m, losses, start=1):
+    for step, loss in enumerate(losses, start):
+        m.update(step, loss, 1.0)
+
+
+@pytest.mark.parametrize("loss,grad", [(float("nan"), 1.0), (float("inf"), 1.0), (3.0, float("nan"))])
+def test_non_finite_stops_at_once_even_in_warmup(loss, grad):
+    m = monitor()
+    with pytest.raises(Diverged) as err:
+        m.update(1, loss, grad)
+    assert err.value.step == 1 and "non-finite" in err.value.reason
+
+
+def test_loss_bound_needs_patience_and_only_after_grace():
+    m = monitor()
+    feed(m, [9.0, 9.0])  # above the bound, but within the grace steps
+    feed(m, [9.0, 9.0, 4.0, 9.0, 9.0], start=3)  # the run of bad steps is broken by 4.0
+    with pytest.raises(Diverged) as err:
+        m.update(8, 9.0, 1.0)
+    assert err.value.step == 8 and "3 consecutive" in err.value.reason
+
+
+def test_default_bound_is_the_uniform_guess_loss():
+    m = StabilityMonitor(StabilityConfig(), vocab_size=64, warmup_steps=0)
+    assert m.max_loss == pytest.approx(4.1589, abs=1e-4)
+
+
+def test_spikes_count_excursions_not_steps():
+    m = monitor(max_loss=100.0)
+    feed(m, [3.0] * 8 + [4.0, 4.5, 3.0] + [3.0] * 3 + [3.7] + [3.0] * 3)
+    assert m.spike_count == 2 and [s["step"] for s in m.spikes] == [9, 15]
+    assert m.spikes[0]["baseline"] == 3.0
+
+
+def test_noisy_but_healthy_losses_have_no_spike():
+    import random
+
+    rng = random.Random(0)
+    m = monitor(max_loss=100.0)
+    feed(m, [3.0 - 0.001 * i + rng.uniform(-0.1, 0.1) for i in range(300)])
+    assert m.spike_count == 0
+
+
+def test_bad_settings_are_refused():
+    with pytest.raises(ValueError, match="spike_factor"):
+        monitor(spike_factor=0.9)
+
+
+# ---- real runs -------------------------------------------------------------------------------------------------------
+def train(args, env=None):
+    return subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), str(TINY), *SMALL, *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**__import__("os").environ, "OMP_NUM_THREADS": "1", **(env or {})})
+
+
+def test_absurd_learning_rate_is_stopped_with_record_and_exit_code(tmp_path):
+    data = learnable_tokens(tmp_path / "train.npy")
+    run = tmp_path / "run"
+    proc = train([f"--data.paths=[{data}]", f"--save_folder={run}", "--max_duration=40", "--save_interval_unsharded=5",
+                  "--optimizer.learning_rate=50", "--scheduler.t_warmup=2", "--stability.patience=3"],
+                 env={"MODEL_TYPE": "post"})
+    assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())
+    assert record["status"] == "diverged" and record["model_type"] == "post"
+    assert record["diverged_at_step"] <= 2 + 3  # grace + patience, or earlier for a non-finite loss
+    assert record["step"] == record["diverged_at_step"] < 40
+    assert record["learning_rate"] == 50.0 and len(record["config_hash"]) == 16
+    assert not list(run.glob("step*"))  # no checkpoint written for a dead run
+    last = json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])
+    assert last["diverged"] == record["divergence"]
+
+
+def test_healthy_run_finishes_with_a_full_record(tmp_path):
+    data = learnable_tokens(tmp_path / "train.npy")
+    val = learnable_tokens(tmp_path / "val.npy", seed=1)
+    run = tmp_path / "run"
+    evaluator = (f"--evaluators=[{{label: val, type: lm, data: {{datasets: {{val: [{val}]}}, memmap_dtype: uint16, "
+                 "drop_last: true, num_workers: 0}}]")
+    proc = train([f"--data.paths=[{data}]", f"--save_folder={run}", "--max_duration=30", "--eval_interval=10",
+                  evaluator, "--model.siamese_depth_scaling=false", "--model.vocab_size=2048",
+                  "--model.embedding_size=2048"], env={"MODEL_TYPE": "hybrid_pre"})  # the tokenizer's vocabulary
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    record = json.loads((run / "run.json").read_text())
+    assert record["status"] == "finished" and record["step"] == 30
+    assert record["tokens_seen"] == record["token_budget"] == 30 * 8 * 32
+    assert record["variant_knobs"] == {"siamese_depth_scaling": False}
+    assert record["eval_step"] == 30 and record["val_perplexity"] == pytest.approx(record["perplexity"]["val"])
+    assert 1.0 < record["val_perplexity"] < 64
+    assert record["loss_spikes"] == len(record["spike_steps"])
+
+
+def test_two_process_divergence_stops_every_rank_and_launch_maps_the_code(tmp_path):
+    data = learnable_tokens(tmp_path / "train.npy")
+    run = tmp_path / "run"
+    args = [str(TINY), *SMALL, f"--data.paths=[{data}]", f"--save_folder={run}", "--max_duration=40",
+            "--optimizer.learning_rate=50", "--scheduler.t_warmup=2", "--stability.patience=2"]
+    env = {k: v for k, v in __import__("os").environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch.py"), "--standalone", "--nproc_per_node=2",
+                           *args], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**env, "MODEL_TYPE": "post", "OMP_NUM_THREADS": "1"})
+    assert proc.returncode == EXIT_DIVERGED, proc.stderr[-3000:]
+    assert proc.stderr.count("exitcode  : 3") == 2  # both workers stopped by the guard, none hung or crashed
+    assert json.loads((run / "run.json").read_text())["world_size"] == 2
+    assert torchrun  # the shared launcher of test_training is importable (same environment)

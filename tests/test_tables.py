@@ -1,0 +1,114 @@
+"""make_tables: the paper's Table 1 layout from run records, cell for cell."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from siamesenorm.records import read_record, write_record
+from siamesenorm.tables import build_table, format_lr, format_tokens, to_csv, to_latex, to_markdown
+
+ROOT = Path(__file__).resolve().parents[1]
+LABELS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "openbook_qa", "basic_arithmetic")
+
+
+def rec(model_type, lr, ppl, accs=None, status="finished", spikes=0, knobs=None, tokens=100_000_000_000, t=1.0):
+    return {"model_type": model_type, "learning_rate": lr, "token_budget": tokens, "status": status,
+            "val_perplexity": ppl, "loss_spikes": spikes, "variant_knobs": knobs or {}, "updated": t,
+            "downstream": dict(zip(LABELS, accs)) if accs else {}}
+
+
+A = [0.60, 0.30, 0.50, 0.70, 0.55, 0.35, 0.28]
+B = [0.62, 0.29, 0.52, 0.70, 0.56, 0.36, 0.396]
+RECORDS = [
+    rec("hybrid_pre", 1e-3, 10.43, B),
+    rec("pre", 1e-3, 10.84, A),
+    rec("post", 1e-3, 55.0, status="diverged"),
+    rec("residual", 1e-3, 11.2, A, spikes=3),
+    rec("hybrid_pre", 1e-3, 10.68, A, knobs={"siamese_depth_scaling": False}),
+    rec("pre", 4e-4, 11.5, A, status="stopped"),
+    rec("post", 4e-4, 11.5),
+]
+
+EXPECTED_MD = """\
+| Setting | Method | PPL | ARC-E | ARC-C | HellaSwag | PIQA | WinoGrande | OBQA | Arithmetic | Avg |
+| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |
+| lr 4e-4, 100B tokens | Pre-Norm | **11.50†** | **60.0** | **30.0** | **50.0** | **70.0** | **55.0** | **35.0** | **28.0** | **46.9** |
+|  | Post-Norm | **11.50** | - | - | - | - | - | - | - | - |
+| lr 1e-3, 100B tokens | Pre-Norm | 10.84 | 60.0 | **30.0** | 50.0 | **70.0** | 55.0 | 35.0 | 28.0 | 46.9 |
+|  | Post-Norm | diverge | - | - | - | - | - | - | - | - |
+|  | ResiDual | 11.20* | 60.0 | **30.0** | 50.0 | **70.0** | 55.0 | 35.0 | 28.0 | 46.9 |
+|  | SiameseNorm | **10.43** | **62.0** | 29.0 | **52.0** | **70.0** | **56.0** | **36.0** | **39.6** | **49.2** |
+|  | SiameseNorm (w/o depth-wise scaling) | 10.68 | 60.0 | **30.0** | 50.0 | **70.0** | 55.0 | 35.0 | 28.0 | 46.9 |
+"""
+
+EXPECTED_CSV = """\
+Setting,Method,PPL,ARC-E,ARC-C,HellaSwag,PIQA,WinoGrande,OBQA,Arithmetic,Avg
+"lr 4e-4, 100B tokens",Pre-Norm,11.50†,60.0,30.0,50.0,70.0,55.0,35.0,28.0,46.9
+"lr 4e-4, 100B tokens",Post-Norm,11.50,-,-,-,-,-,-,-,-
+"lr 1e-3, 100B tokens",Pre-Norm,10.84,60.0,30.0,50.0,70.0,55.0,35.0,28.0,46.9
+"lr 1e-3, 100B tokens",Post-Norm,diverge,-,-,-,-,-,-,-,-
+"lr 1e-3, 100B tokens",ResiDual,11.20*,60.0,30.0,50.0,70.0,55.0,35.0,28.0,46.9
+"lr 1e-3, 100B tokens",SiameseNorm,10.43,62.0,29.0,52.0,70.0,56.0,36.0,39.6,49.2
+"lr 1e-3, 100B tokens",SiameseNorm (w/o depth-wise scaling),10.68,60.0,30.0,50.0,70.0,55.0,35.0,28.0,46.9
+"""
+
+
+def test_markdown_cell_for_cell():
+    assert to_markdown(build_table(RECORDS, warn=None)) == EXPECTED_MD
+
+
+def test_csv_cell_for_cell():
+    assert to_csv(build_table(RECORDS, warn=None)) == EXPECTED_CSV
+
+
+def test_latex_marks_best_spikes_and_divergence():
+    tex = to_latex(build_table(RECORDS, warn=None))
+    assert tex.startswith(r"\begin{tabular}{llrrrrrrrrr}") and tex.rstrip().endswith(r"\end{tabular}")
+    assert r"\textbf{10.43}" in tex and r"11.20$^{*}$" in tex and "diverge" in tex
+    assert r"\multirow{5}{*}{lr 4e-4, 100B tokens}" not in tex and r"\multirow{5}{*}{lr 1e-3, 100B tokens}" in tex
+    assert tex.count(r"\midrule") == 2
+
+
+def test_newest_record_of_a_method_and_setting_wins(capsys):
+    old, new = rec("pre", 1e-3, 12.0, t=1.0), rec("pre", 1e-3, 11.0, t=2.0)
+    for order in ([old, new], [new, old]):
+        table = build_table(order, warn=sys.stderr)
+        assert [r.texts[0] for r in table.rows] == ["11.00"]
+    assert "two runs of Pre-Norm" in capsys.readouterr().err
+
+
+def test_number_formats():
+    assert [format_lr(x) for x in (4e-4, 1e-3, 2e-3, 2.5e-3, 0.03)] == ["4e-4", "1e-3", "2e-3", "2.5e-3", "3e-2"]
+    assert format_tokens(100_000_000_000) == "100B tokens" and format_tokens(350e9) == "350B tokens"
+    assert format_tokens(614_400) == "614K tokens"
+
+
+def test_script_reads_run_folders_and_writes_three_formats(tmp_path):
+    for i, r in enumerate(RECORDS):
+        write_record(tmp_path / "runs" / f"run{i}", r)
+    assert read_record(tmp_path / "runs" / "run0")["model_type"] == "hybrid_pre"
+    out = tmp_path / "tables"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tables.py"), str(tmp_path / "runs"),
+                           "--format", "all", "--output", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert (out / "table1.md").read_text() == EXPECTED_MD
+    assert (out / "table1.csv").read_text() == EXPECTED_CSV
+    assert r"\textbf" in (out / "table1.tex").read_text()
+
+
+@pytest.mark.parametrize("content,needle", [("{not json", "not a JSON run record"),
+                                            (json.dumps({"model_type": "pre"}), "lacks learning_rate, status")])
+def test_bad_record_is_named_with_what_is_wrong(tmp_path, content, needle):
+    (tmp_path / "run.json").write_text(content)
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tables.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and needle in proc.stderr and str(tmp_path / "run.json") in proc.stderr
+
+
+def test_no_records_says_where_they_come_from(tmp_path):
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tables.py"), str(tmp_path)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "save_folder" in proc.stderr
