@@ -95,6 +95,21 @@ def test_torchrun_train_save_resume_is_exact(tmp_path, strategy, model_type):
     assert f"model_type: {model_type}" in saved.read_text()
 
 
+@pytest.mark.parametrize("strategy,model_type", [("ddp", "deepnorm"), ("ddp", "residual"), ("ddp", "mixln"),
+                                                 ("ddp", "peri"), ("fsdp", "mhc"), ("ddp", "hybrid_star"),
+                                                 ("ddp", "pre_embednorm")])
+def test_added_variants_train_through_olmos_trainer(tmp_path, strategy, model_type):
+    """Two processes, every parameter used (DDP would fail otherwise), the loss falls, the record says finished."""
+    data = learnable_tokens(tmp_path / "train.npy")
+    args = [TINY, *SMALL, f"--data.paths=[{data}]", f"--distributed_strategy={strategy}", "--max_duration=12",
+            f"--save_folder={tmp_path / 'run'}", "--model.mixln_post_fraction=0.5"]
+    torchrun(args, {"MODEL_TYPE": model_type})
+    curve = losses(tmp_path / "run")
+    assert sorted(curve) == list(range(1, 13)) and curve[12] < curve[1] - 0.3, curve
+    record = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert record["status"] == "finished" and record["model_type"] == model_type
+
+
 def test_resume_with_contradicting_model_type_fails_before_any_step(tmp_path):
     data = learnable_tokens(tmp_path / "train.npy")
     args = [TINY, *SMALL, f"--data.paths=[{data}]", "--max_duration=2", "--save_interval_unsharded=2",

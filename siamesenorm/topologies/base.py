@@ -193,6 +193,35 @@ class TopologyBlock(OLMoSequentialBlock):
         return self.finish(self.split_streams(x))
 
 
+class ConnectedStreamsBlock(TopologyBlock):
+    """n streams with a learned connection around each sublayer (hc, mhc). A connection has ``width(h)`` ->
+    (branch input, carried streams, per-stream output weights) and ``depth(carried, weights, out)`` -> new
+    streams; h is (B, T, n, d). Subclasses set ``n_streams`` and the two connections (named in
+    ``connection_names``, attention first). ``attn_norm`` / ``ff_norm`` keep their Pre-Norm role in each branch."""
+
+    connection_names: ClassVar[Tuple[str, str]] = ("attn_conn", "ff_conn")
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        for name in self.connection_names:
+            getattr(self, name).reset_parameters()
+
+    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+        if self.is_first:  # embedding (B, T, d) -> n equal streams (B, T, n, d)
+            h = x.unsqueeze(-2).expand(*x.shape[:-1], self.n_streams, x.shape[-1])
+        else:
+            h = x.unflatten(-1, (self.n_streams, -1))
+        attn_conn, ff_conn = (getattr(self, name) for name in self.connection_names)
+        inp, carried, weights = attn_conn.width(h)
+        att, cache = self.attention_branch(
+            self.norm(self.attn_norm, inp), attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens
+        )
+        h = attn_conn.depth(carried, weights, att)
+        inp, carried, weights = ff_conn.width(h)
+        h = ff_conn.depth(carried, weights, self.mlp_branch(self.norm(self.ff_norm, inp)))
+        return self.finish(list(h.unbind(-2))), cache  # the last block fuses the streams (contributions)
+
+
 def two_stream_fusion_params(config: ModelConfig, layer_id: int) -> int:
     """out_norm_x and out_norm_y, in the last block only."""
     return 2 * norm_params(config) if layer_id == config.n_layers - 1 else 0

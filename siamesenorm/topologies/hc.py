@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 from olmo.config import ModelConfig
 
-from .base import TopologyBlock, norm_params
+from .base import ConnectedStreamsBlock, TopologyBlock, norm_params
 
 __all__ = ["HyperConnection", "HyperConnectionBlock"]
 
@@ -78,8 +78,8 @@ class HyperConnection(nn.Module):
         return norm_params(config) + n * (1 + n) + n + d * (1 + n) + 1 + d + 1
 
 
-class HyperConnectionBlock(TopologyBlock):
-    """``attn_norm`` / ``ff_norm`` keep their Pre-Norm role inside each branch."""
+class HyperConnectionBlock(ConnectedStreamsBlock):
+    connection_names = ("attn_hc", "ff_hc")
 
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
@@ -88,25 +88,6 @@ class HyperConnectionBlock(TopologyBlock):
         read = layer_id % self.n_streams
         self.attn_hc = HyperConnection(self, self.n_streams, read)
         self.ff_hc = HyperConnection(self, self.n_streams, read)
-
-    def reset_parameters(self):
-        super().reset_parameters()
-        self.attn_hc.reset_parameters()
-        self.ff_hc.reset_parameters()
-
-    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
-        if self.is_first:  # embedding (B, T, d) -> n equal streams (B, T, n, d)
-            h = x.unsqueeze(-2).expand(*x.shape[:-1], self.n_streams, x.shape[-1])
-        else:
-            h = x.unflatten(-1, (self.n_streams, -1))
-        inp, carried, beta = self.attn_hc.width(h)
-        att, cache = self.attention_branch(
-            self.norm(self.attn_norm, inp), attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens
-        )
-        h = self.attn_hc.depth(carried, beta, att)
-        inp, carried, beta = self.ff_hc.width(h)
-        h = self.ff_hc.depth(carried, beta, self.mlp_branch(self.norm(self.ff_norm, inp)))
-        return self.finish(list(h.unbind(-2))), cache  # the last block sums the streams
 
     @classmethod
     def extra_params(cls, config: ModelConfig, layer_id: int) -> int:

@@ -33,7 +33,7 @@ import torch
 import torch.nn as nn
 from olmo.config import ModelConfig
 
-from .base import TopologyBlock, norm_params
+from .base import ConnectedStreamsBlock, TopologyBlock, norm_params
 
 __all__ = ["ManifoldHyperConnection", "ManifoldHyperConnectionBlock", "sinkhorn"]
 
@@ -105,8 +105,8 @@ class ManifoldHyperConnection(nn.Module):
         return norm_params(config, n * d) + n * d * (n * n + 2 * n) + 3 + 2 * n + n * n
 
 
-class ManifoldHyperConnectionBlock(TopologyBlock):
-    """``attn_norm`` / ``ff_norm`` keep their Pre-Norm role inside each branch."""
+class ManifoldHyperConnectionBlock(ConnectedStreamsBlock):
+    connection_names = ("attn_mhc", "ff_mhc")
 
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
@@ -114,25 +114,6 @@ class ManifoldHyperConnectionBlock(TopologyBlock):
         self.stream_names = tuple(f"stream_{i + 1}" for i in range(self.n_streams))
         self.attn_mhc = ManifoldHyperConnection(self, self.n_streams, config.mhc_sinkhorn_iterations)
         self.ff_mhc = ManifoldHyperConnection(self, self.n_streams, config.mhc_sinkhorn_iterations)
-
-    def reset_parameters(self):
-        super().reset_parameters()
-        self.attn_mhc.reset_parameters()
-        self.ff_mhc.reset_parameters()
-
-    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
-        if self.is_first:  # embedding (B, T, d) -> n equal streams (B, T, n, d)
-            h = x.unsqueeze(-2).expand(*x.shape[:-1], self.n_streams, x.shape[-1])
-        else:
-            h = x.unflatten(-1, (self.n_streams, -1))
-        inp, mixed, post = self.attn_mhc.width(h)
-        att, cache = self.attention_branch(
-            self.norm(self.attn_norm, inp), attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens
-        )
-        h = self.attn_mhc.depth(mixed, post, att)
-        inp, mixed, post = self.ff_mhc.width(h)
-        h = self.ff_mhc.depth(mixed, post, self.mlp_branch(self.norm(self.ff_norm, inp)))
-        return self.finish(list(h.unbind(-2))), cache
 
     def contributions(self, streams):  # the mean of the streams
         return [s / self.n_streams for s in streams]
