@@ -17,12 +17,10 @@ reason; the command line reports it and writes ``{"applies": false, "reason": ..
 from __future__ import annotations
 
 import contextlib
-import gzip
 import json
 import math
-from glob import glob
 from pathlib import Path
-from typing import Dict, Iterator, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import numpy as np
 import torch
@@ -91,17 +89,6 @@ def fresh_model(config_path: str, model_type: str, seed: int = 0):
     return build_model(cfg.model, model_type).eval(), cfg
 
 
-def _documents(path: Path) -> Iterator[str]:
-    if path.suffix == ".txt":
-        yield path.read_text(encoding="utf-8")
-        return
-    opener = gzip.open if path.suffix == ".gz" else open
-    with opener(path, "rt", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                yield json.loads(line)["text"]
-
-
 def eval_tokens(cfg, tokens: Optional[str] = None, text: Optional[str] = None, max_sequences: int = 32,
                 val_fraction: float = 0.05) -> torch.Tensor:
     """(N, max_sequence_length) token ids for evaluation, cut from consecutive tokens like OLMo's memmap dataset:
@@ -111,11 +98,11 @@ def eval_tokens(cfg, tokens: Optional[str] = None, text: Optional[str] = None, m
     - neither: the run's first lm evaluator's token files (its validation split)."""
     seq = cfg.model.max_sequence_length
     if text is not None:
-        from .data import is_validation, load_tokenizer
+        from .data import PrepareSettings, Skips, is_validation, iter_documents, load_tokenizer
 
         tok = load_tokenizer(cfg.tokenizer.identifier)
         ids: List[int] = []
-        for doc in _documents(Path(text)):
+        for doc in iter_documents(PrepareSettings(inputs=[text]), Skips()):
             if is_validation(doc, val_fraction):
                 ids.extend(tok.encode(doc).ids + [cfg.model.eos_token_id])
             if len(ids) >= seq * max_sequences:
@@ -130,7 +117,9 @@ def eval_tokens(cfg, tokens: Optional[str] = None, text: Optional[str] = None, m
             dtype = lm[0].data.memmap_dtype
         else:
             paths, dtype = [tokens], cfg.data.memmap_dtype
-        files = sorted(f for p in paths for f in (glob(str(p)) if any(c in str(p) for c in "*?[") else [str(p)]))
+        from .train import expand_paths
+
+        files = expand_paths([str(p) for p in paths])
         if not files or not all(Path(f).is_file() for f in files):
             raise FileNotFoundError(f"no token files at {paths}: prepare data with scripts/prepare_data.py.")
         # like OLMo's MemMapDataset: each file is cut into whole sequences on its own, its remainder dropped
@@ -157,8 +146,7 @@ def perplexity(model: OLMo, batch: torch.Tensor, batch_size: int = 8) -> float:
 
 
 def stream_names(model: OLMo) -> List[str]:
-    last = model.transformer.blocks[-1] if hasattr(model.transformer, "blocks") else None
-    return list(getattr(last, "stream_names", ("residual",)))
+    return list(getattr(_blocks(model)[-1], "stream_names", ("residual",)))
 
 
 def _blocks(model: OLMo) -> List[torch.nn.Module]:

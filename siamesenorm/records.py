@@ -30,6 +30,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional
 
+from olmo.config import ModelConfig
+
+from .config import SiameseModelConfig
+
 __all__ = [
     "EXIT_DIVERGED",
     "RECORD_NAME",
@@ -167,10 +171,6 @@ def config_hash(cfg) -> str:
 
 def variant_knobs(model_cfg) -> Dict[str, Any]:
     """The variant knobs of SiameseModelConfig that differ from their defaults (ablations such as no depth scaling)."""
-    from olmo.config import ModelConfig
-
-    from .config import SiameseModelConfig
-
     own = {f.name: f for f in dataclasses.fields(SiameseModelConfig)}
     olmo = {f.name for f in dataclasses.fields(ModelConfig)}
     return {

@@ -112,15 +112,15 @@ def _row(record: Dict, setting: str) -> Row:
     accs = [downstream.get(label) for label in DOWNSTREAM_LABELS]
     accs = [None if a is None else 100.0 * a for a in accs]
     avg = sum(accs) / len(accs) if all(a is not None for a in accs) else None
-    values = [ppl, *accs, avg]
+    # rounded as printed, so "best" compares what the reader sees
+    values = [None if v is None else round(v, 2 if j == 0 else 1) for j, v in enumerate([ppl, *accs, avg])]
     texts = [MISSING if v is None else (f"{v:.2f}" if j == 0 else f"{v:.1f}") for j, v in enumerate(values)]
     if ppl is not None:
         if record.get("loss_spikes", 0) > 0:
             texts[0] += SPIKE
         if record.get("status") in ("running", "stopped"):
             texts[0] += UNFINISHED
-    return Row(setting, method, [None if v is None else float(t.rstrip(SPIKE + UNFINISHED)) for v, t in
-                                 zip(values, texts)], texts, False)
+    return Row(setting, method, values, texts, False)
 
 
 def build_table(records: Iterable[Dict], warn=sys.stderr) -> Table:

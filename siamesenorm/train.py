@@ -12,6 +12,7 @@ This follows the structure of OLMo's own scripts/train.py (which the ai2-olmo wh
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import math
@@ -82,7 +83,8 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> SiameseTrai
     return SiameseTrainConfig.load(path, overrides, validate_paths=False)
 
 
-def _expand(paths: List[str]) -> List[str]:
+def expand_paths(paths: List[str]) -> List[str]:
+    """Path patterns (``*``, ``?``, ``[``) expanded to the sorted files they match; other paths as given."""
     out: List[str] = []
     for p in paths:
         out.extend(sorted(glob(p)) if any(c in p for c in "*?[") else [p])
@@ -103,13 +105,13 @@ def check_data_paths(cfg: SiameseTrainConfig) -> None:
     for where, data in sections:
         groups = [data.paths or []] + list((data.datasets or {}).values())
         for pattern in (p for group in groups for p in group):
-            found = _expand([str(pattern)])
+            found = expand_paths([str(pattern)])
             if "://" not in str(pattern) and (not found or not all(Path(q).exists() for q in found)):
                 raise RunError(f"{where}: no data at {pattern!r}: {how}.")
         if data.paths:
-            data.paths = _expand([str(p) for p in data.paths])
+            data.paths = expand_paths([str(p) for p in data.paths])
         if data.datasets:
-            data.datasets = {k: _expand([str(p) for p in v]) for k, v in data.datasets.items()}
+            data.datasets = {k: expand_paths([str(p) for p in v]) for k, v in data.datasets.items()}
 
 
 def checkpoint_model_type(load_path: str) -> Optional[str]:
@@ -151,19 +153,20 @@ class SiameseTrainer(Trainer):
 
     last_eval_metrics: Dict[str, float] = {}
     last_train_metrics: Dict[str, float] = {}
+    last_eval_step: Optional[int] = None
     monitor: Optional[StabilityMonitor] = None
     record_info: Optional[Dict[str, Any]] = None  # the run's fixed facts; None: no run record (unit tests)
-    status: str = "running"
 
     # ---- stability ----------------------------------------------------------------------------------------------
     def train_step(self, batch: Dict[str, Any], reduce_global_loss: bool = True) -> Dict[str, float]:
-        """OLMo's step, then the guard on the global loss and gradient norm (identical on every rank).
+        """OLMo's step on the local loss, then the global mean loss on every rank and the guard on it.
 
-        The loss is reduced every step (OLMo reduces it only on logging steps): rank 0 then holds the global mean
-        and broadcasts it with the gradient norm, one extra 2-float collective per step. OLMo's own NaN check
-        raises on rank 0 only; it is turned into the same decision on every rank here."""
+        OLMo reduces the loss to rank 0 on logging steps only; here one all-reduce of one number per step gives
+        every rank the global mean (it replaces OLMo's reduce), so every rank takes the same decision. The
+        gradient norm is already global (computed from synchronised gradients). A local NaN raises in OLMo's
+        step on that rank only; it is turned into a NaN that the all-reduce spreads to every rank."""
         try:
-            metrics = super().train_step(batch, reduce_global_loss=True)
+            metrics = super().train_step(batch, reduce_global_loss=False)
         except ValueError as err:
             if "nan loss" not in str(err):
                 raise
@@ -171,17 +174,21 @@ class SiameseTrainer(Trainer):
         except OverflowError:  # OLMo's exp(loss) for the perplexity metric, loss > 709 nats
             metrics = {"train/CrossEntropyLoss": self.cur_train_loss}
         loss = metrics["train/CrossEntropyLoss"]
-        grad_norm = metrics.get("optim/total_grad_norm")
-        values = torch.tensor([loss, 0.0 if grad_norm is None else grad_norm, grad_norm is not None], dtype=torch.float64)
         if dist.is_initialized() and dist.get_world_size() > 1:
-            values = values.to(self.device)
-            dist.broadcast(values, 0)
-            values = values.cpu()
-        loss, grad_norm = float(values[0]), (float(values[1]) if values[2] else None)
+            total = torch.tensor([loss], dtype=torch.float64, device=self.device)
+            dist.all_reduce(total)
+            loss = float(total) / dist.get_world_size()
+        self.cur_train_loss = loss
+        self.min_train_loss = min(self.min_train_loss, loss)
+        metrics["train/CrossEntropyLoss"] = loss
+        if "train/Perplexity" in metrics:
+            metrics["train/Perplexity"] = math.exp(min(loss, 700.0))
+        grad_norm = metrics.get("optim/total_grad_norm")
         if self.monitor is not None:
             try:
                 self.monitor.update(self.global_step, loss, grad_norm)
             except Diverged as diverged:
+                log.warning("divergence guard: stopping at step %d: %s", diverged.step, diverged.reason)  # every rank
                 self.cur_train_loss = loss
                 self.write_metrics({"step": self.global_step, "tokens": self.global_train_tokens_seen, "loss": loss,
                                     "grad_norm": grad_norm, "diverged": diverged.reason, "time": time.time()})
@@ -201,7 +208,6 @@ class SiameseTrainer(Trainer):
             "token_budget": self.max_steps * self.tokens_per_batch,
             "final_train_loss": self.cur_train_loss if math.isfinite(self.cur_train_loss) else None,
             "loss_spikes": self.monitor.spike_count if self.monitor else 0,
-            "spike_steps": [s["step"] for s in self.monitor.spikes] if self.monitor else [],
             "spikes": self.monitor.spikes if self.monitor else [],
             "perplexity": perplexity,
             "val_perplexity": next(iter(perplexity.values()), None),
@@ -211,12 +217,9 @@ class SiameseTrainer(Trainer):
         record.update(extra)
         return record
 
-    last_eval_step: Optional[int] = None
-
     def save_record(self, status: str, **extra: Any) -> None:
         from olmo.torch_util import get_global_rank
 
-        self.status = status
         if self.record_info is not None and get_global_rank() == 0:
             write_record(self.cfg.save_folder, self.run_record(status, **extra))
 
@@ -423,7 +426,7 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
         if cfg.stop_at is None and cfg.stop_after is None:
             cfg.stop_at = trainer.max_steps  # OLMo would otherwise run 10 steps past max_duration
         trainer.monitor = StabilityMonitor(cfg.stability, cfg.model.vocab_size, warmup_steps(cfg))
-        trainer.record_info = record_info(cfg, config_path, model_type, source, olmo_model.num_params())
+        trainer.record_info = record_info(cfg, config_path, model_type, source, olmo_model.num_params(), trainer.monitor)
         previous = Path(cfg.save_folder) / RECORD_NAME
         if load_path is not None and previous.is_file():
             trainer.monitor.restore(json.loads(previous.read_text()).get("spikes", []))
@@ -452,7 +455,8 @@ def warmup_steps(cfg: SiameseTrainConfig) -> int:
     return int(math.ceil(warmup))
 
 
-def record_info(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: str, n_params: int) -> Dict:
+def record_info(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: str, n_params: int,
+                monitor: StabilityMonitor) -> Dict:
     """What a run record says about the run itself (siamesenorm/records.py adds its progress and results)."""
     from olmo.torch_util import get_world_size
 
@@ -468,12 +472,10 @@ def record_info(cfg: SiameseTrainConfig, config_path: str, model_type: str, sour
         "max_duration": str(cfg.max_duration),
         "parameters": n_params,
         "world_size": get_world_size(),
-        "stability": {
-            "max_loss": cfg.stability.max_loss if cfg.stability.max_loss is not None else math.log(cfg.model.vocab_size),
-            "grace_steps": cfg.stability.grace_steps if cfg.stability.grace_steps is not None else warmup_steps(cfg),
-            "patience": cfg.stability.patience,
-            "spike_window": cfg.stability.spike_window,
-            "spike_factor": cfg.stability.spike_factor,
+        "stability": {  # the settings in force, defaults resolved
+            **dataclasses.asdict(cfg.stability),
+            "max_loss": monitor.max_loss,
+            "grace_steps": monitor.grace_steps,
         },
     }
 

@@ -73,8 +73,8 @@ class Ref:
         return math.sqrt(i + 1) if self.c.siamese_depth_scaling_form == "inv_sqrt_layer" else math.sqrt(2 * (i + 1))
 
     # ---- the variants --------------------------------------------------------------------------------------
-    def pre(self, ids):
-        x = self.embed(ids)
+    def pre(self, ids, x=None):
+        x = self.embed(ids) if x is None else x
         for i in range(self.c.n_layers):
             b = f"transformer.blocks.{i}."
             x = x + self.attn(i, self.norm(b + "attn_norm", x))
@@ -195,12 +195,7 @@ class Ref:
         return self.logits(x)
 
     def pre_embednorm(self, ids):
-        x = rms(self.embed(ids), None, self.eps)
-        for i in range(self.c.n_layers):
-            b = f"transformer.blocks.{i}."
-            x = x + self.attn(i, self.norm(b + "attn_norm", x))
-            x = x + self.mlp(i, self.norm(b + "ff_norm", x))
-        return self.logits(x)
+        return self.pre(ids, x=rms(self.embed(ids), None, self.eps))  # parameter-free RMSNorm, then Pre-Norm
 
     def hybrid_star(self, ids):
         x = self.embed(ids)

@@ -194,17 +194,26 @@ class TopologyBlock(OLMoSequentialBlock):
 
 
 class ConnectedStreamsBlock(TopologyBlock):
-    """n streams with a learned connection around each sublayer (hc, mhc). A connection has ``width(h)`` ->
-    (branch input, carried streams, per-stream output weights) and ``depth(carried, weights, out)`` -> new
-    streams; h is (B, T, n, d). Subclasses set ``n_streams`` and the two connections (named in
+    """n streams with a learned connection around each sublayer (hc, mhc). A connection's ``width(h)`` gives
+    (branch input, carried streams, per-stream output weights); h is (B, T, n, d). The depth connection, the
+    same for both, is ``depth``: each stream j becomes carried_j + weight_j * F(input). Subclasses set ``n_streams`` and the two connections (named in
     ``connection_names``, attention first). ``attn_norm`` / ``ff_norm`` keep their Pre-Norm role in each branch."""
 
     connection_names: ClassVar[Tuple[str, str]] = ("attn_conn", "ff_conn")
+
+    @property
+    def stream_names(self) -> Tuple[str, ...]:  # type: ignore[override]
+        return tuple(f"stream_{i + 1}" for i in range(self.n_streams))
 
     def reset_parameters(self):
         super().reset_parameters()
         for name in self.connection_names:
             getattr(self, name).reset_parameters()
+
+    @staticmethod
+    def depth(carried: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """(B, T, n, d) carried streams + (B, T, n) weights x (B, T, d) sublayer output."""
+        return carried + weights.unsqueeze(-1) * out.unsqueeze(-2)
 
     def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
         if self.is_first:  # embedding (B, T, d) -> n equal streams (B, T, n, d)
@@ -216,9 +225,9 @@ class ConnectedStreamsBlock(TopologyBlock):
         att, cache = self.attention_branch(
             self.norm(self.attn_norm, inp), attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens
         )
-        h = attn_conn.depth(carried, weights, att)
+        h = self.depth(carried, weights, att)
         inp, carried, weights = ff_conn.width(h)
-        h = ff_conn.depth(carried, weights, self.mlp_branch(self.norm(self.ff_norm, inp)))
+        h = self.depth(carried, weights, self.mlp_branch(self.norm(self.ff_norm, inp)))
         return self.finish(list(h.unbind(-2))), cache  # the last block fuses the streams (contributions)
 
 

@@ -69,10 +69,6 @@ class HyperConnection(nn.Module):
         return mixed[:, :, 0], mixed[:, :, 1:], beta.to(h.dtype)
 
     @staticmethod
-    def depth(carried: torch.Tensor, beta: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return carried + beta.unsqueeze(-1) * out.unsqueeze(-2)
-
-    @staticmethod
     def num_params(config: ModelConfig, n: int) -> int:
         d = config.d_model
         return norm_params(config) + n * (1 + n) + n + d * (1 + n) + 1 + d + 1
@@ -84,7 +80,6 @@ class HyperConnectionBlock(ConnectedStreamsBlock):
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
         self.n_streams = config.hc_expansion_rate
-        self.stream_names = tuple(f"stream_{i + 1}" for i in range(self.n_streams))
         read = layer_id % self.n_streams
         self.attn_hc = HyperConnection(self, self.n_streams, read)
         self.ff_hc = HyperConnection(self, self.n_streams, read)

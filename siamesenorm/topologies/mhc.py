@@ -96,10 +96,6 @@ class ManifoldHyperConnection(nn.Module):
         return inp, mixed, post.to(h.dtype)
 
     @staticmethod
-    def depth(mixed: torch.Tensor, post: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        return mixed + post.unsqueeze(-1) * out.unsqueeze(-2)
-
-    @staticmethod
     def num_params(config: ModelConfig, n: int) -> int:
         d = config.d_model
         return norm_params(config, n * d) + n * d * (n * n + 2 * n) + 3 + 2 * n + n * n
@@ -111,7 +107,6 @@ class ManifoldHyperConnectionBlock(ConnectedStreamsBlock):
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
         self.n_streams = config.mhc_expansion_rate
-        self.stream_names = tuple(f"stream_{i + 1}" for i in range(self.n_streams))
         self.attn_mhc = ManifoldHyperConnection(self, self.n_streams, config.mhc_sinkhorn_iterations)
         self.ff_mhc = ManifoldHyperConnection(self, self.n_streams, config.mhc_sinkhorn_iterations)
 
