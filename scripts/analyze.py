@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from siamesenorm import analysis  # noqa: E402
+from siamesenorm.checkpoints import UnsafeCheckpoint  # noqa: E402
 
 MODEL_TOOLS = ("magnitudes", "stream-ratios", "lens", "depth")
 RUN_TOOLS = ("grad-norms", "loss-curves")
@@ -69,7 +70,7 @@ def main(argv=None) -> int:
         (out / f"{args.tool}.json").write_text(json.dumps({"applies": False, "reason": str(e)}, indent=2) + "\n")
         print(f"{args.tool}: does not apply: {e}")
         return 0
-    except (FileNotFoundError, ValueError) as e:
+    except (FileNotFoundError, ValueError, UnsafeCheckpoint) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     out.mkdir(parents=True, exist_ok=True)

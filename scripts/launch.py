@@ -30,7 +30,7 @@ def main(argv) -> int:
     code = subprocess.call(cmd)
     if code == 0:
         return 0
-    from siamesenorm.train import load_config
+    from siamesenorm.runconfig import load_config
 
     options = [o for o in overrides if o.startswith("--") and o != "--dry-run"]
     record = Path(load_config(config, options).save_folder) / RECORD_NAME

@@ -66,12 +66,11 @@ def checkpoint_folder(path: str | Path) -> Path:
 
 def load_model(path: str | Path):
     """(model in eval mode on CPU, its SiameseTrainConfig) from a checkpoint or run folder."""
-    from .checkpoints import load_model_state
+    from .checkpoints import load_model_state, load_saved_config
     from .model import build_model
-    from .train import load_config
 
     folder = checkpoint_folder(path)
-    cfg = load_config(str(folder / "config.yaml"))
+    cfg = load_saved_config(folder / "config.yaml")
     cfg.model.init_device = "cpu"
     model = build_model(cfg.model, cfg.model.model_type or "pre", init_params=False)
     model.load_state_dict(load_model_state(folder))
@@ -81,7 +80,7 @@ def load_model(path: str | Path):
 def fresh_model(config_path: str, model_type: str, seed: int = 0):
     """A freshly initialised model of a recipe (the initial state of the magnitudes figure)."""
     from .model import build_model
-    from .train import load_config
+    from .runconfig import load_config
 
     cfg = load_config(config_path)
     cfg.model.init_device = "cpu"
@@ -117,7 +116,7 @@ def eval_tokens(cfg, tokens: Optional[str] = None, text: Optional[str] = None, m
             dtype = lm[0].data.memmap_dtype
         else:
             paths, dtype = [tokens], cfg.data.memmap_dtype
-        from .train import expand_paths
+        from .runconfig import expand_paths
 
         files = expand_paths([str(p) for p in paths])
         if not files or not all(Path(f).is_file() for f in files):

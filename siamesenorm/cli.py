@@ -28,11 +28,12 @@ def train_main(argv=None) -> None:
     parser.add_argument("--dry-run", action="store_true", help="print the resolved config and parameter count, exit")
     args, overrides = parser.parse_known_args(argv)
     _logging()
+    from .checkpoints import UnsafeCheckpoint
     from .train import main
 
     try:
         code = main(args.config, overrides, dry=args.dry_run)
-    except OLMoConfigurationError as e:
+    except (OLMoConfigurationError, UnsafeCheckpoint) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     sys.exit(code)

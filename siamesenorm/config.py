@@ -19,11 +19,15 @@ from olmo.exceptions import OLMoConfigurationError
 __all__ = [
     "MODEL_TYPES",
     "DEPTH_SCALING_FORMS",
+    "NORM_POSITIONS",
+    "SINKHORN_ORDERS",
+    "LEGACY_KNOBS",
     "SiameseModelConfig",
     "resolve_model_type",
     "validate_model_config",
     "as_siamese_config",
     "depth_scale",
+    "knob",
 ]
 
 log = logging.getLogger(__name__)
@@ -58,6 +62,28 @@ DEPTH_SCALING_FORMS: dict[str, "callable"] = {
     "inv_sqrt_2layer": lambda layer_id: math.sqrt(2 * (layer_id + 1)),
 }
 
+#: Where a Post-Norm-style norm sits (post, and post_pre's bounded stream X):
+#: "after_addition": X <- LN(X + F(X)); X_0 = embedding; the last block's output is normalised (paper eq. 2 and
+#:     section 3's text);
+#: "before_sublayer": X <- LN(X); X <- X + F(X); X_0 = LN(embedding); the last block's output is not normalised
+#:     (the official DeiT/DiT SiameseNorm Block and the HybridNorm fork's Post-Norm switch).
+NORM_POSITIONS: tuple[str, ...] = ("after_addition", "before_sublayer")
+
+#: mhc's Sinkhorn-Knopp order within one iteration: "columns_first" is the mHC paper's T_r(T_c(.)) (rows end exact),
+#: "rows_first" normalises rows then columns (columns end exact; this project's first version).
+SINKHORN_ORDERS: tuple[str, ...] = ("columns_first", "rows_first")
+
+#: Knobs that were added (or whose default changed) after checkpoints had been written, with the value an older
+#: checkpoint's model was built with. A saved config.yaml that lacks one of these fields loads with this value.
+LEGACY_KNOBS: dict[str, object] = {
+    "siamese_depth_scaling_form": "inv_sqrt_layer",
+    "post_norm_position": "after_addition",
+    "post_pre_x_norm_position": "after_addition",
+    "hc_scale_output_init": False,
+    "hc_decay_dynamic": False,
+    "mhc_sinkhorn_order": "rows_first",
+}
+
 _TWO_STREAM = ("post_pre", "hybrid_pre")
 _HYBRID_ATTENTION = ("hybrid", "hybrid_pre", "hybrid_star")
 #: Types trained with the configs/OLMo-1B-hybrid-* recipes (HybridNorm's init and warmup); the rest use OLMo-1B-*.
@@ -78,11 +104,28 @@ class SiameseModelConfig(ModelConfig):
     siamese_depth_scaling: bool = True
     """post_pre / hybrid_pre: divide the update written into the bounded stream by c(l) (section 4.2)."""
 
-    siamese_depth_scaling_form: str = "inv_sqrt_layer"
-    """post_pre / hybrid_pre: which c(l), see DEPTH_SCALING_FORMS."""
+    siamese_depth_scaling_form: str = "inv_sqrt_2layer"
+    """post_pre / hybrid_pre: which c(l), see DEPTH_SCALING_FORMS. Default: the official code's sqrt(2(l+1));
+    "inv_sqrt_layer" is the paper's text (section 4.2)."""
 
     siamese_normalized_input: bool = True
     """post_pre / hybrid_pre: apply an extra norm to the fused input of each sublayer (section 4.2)."""
+
+    post_norm_position: str = "after_addition"
+    """post: where the norm sits, see NORM_POSITIONS. Default: paper eq. 2 (classic Post-LN);
+    "before_sublayer" is the HybridNorm OLMo fork's Post-Norm switch."""
+
+    post_pre_x_norm_position: str = "before_sublayer"
+    """post_pre: where LN^X of the bounded stream sits, see NORM_POSITIONS. Default: the official DeiT/DiT
+    SiameseNorm Block (LN^X at the start of each sublayer); "after_addition" is the paper's section-3 text."""
+
+    hc_scale_output_init: bool = True
+    """hc: divide the init of the attention and MLP output weights (attn_out, ff_out) by sqrt(n) (HC paper
+    section 4), since every sublayer's output is written into all n streams."""
+
+    hc_decay_dynamic: bool = True
+    """hc: apply weight decay to the dynamic projections (dynamic_alpha_fn, dynamic_beta_fn) and none to the static
+    connection weights and the dynamic scales (HC paper section 4). False: no decay on any HC coefficient."""
 
     mixln_post_fraction: float = 0.25
     """mixln: the first floor(fraction * n_layers) layers are Post-LN, the rest Pre-LN (Mix-LN's 0.25)."""
@@ -93,9 +136,20 @@ class SiameseModelConfig(ModelConfig):
     mhc_sinkhorn_iterations: int = 20
     """mhc: Sinkhorn-Knopp iterations that make each residual mixing matrix doubly stochastic."""
 
+    mhc_sinkhorn_order: str = "columns_first"
+    """mhc: the order within one Sinkhorn iteration, see SINKHORN_ORDERS (default: the mHC paper's)."""
+
     def __post_init__(self):
         if self.model_type is not None:
             validate_model_config(self, self.model_type)
+
+
+_KNOB_DEFAULTS = {f.name: f.default for f in dataclasses.fields(SiameseModelConfig)}
+
+
+def knob(config: ModelConfig, name: str):
+    """A variant knob of ``config``, or its default when ``config`` is a stock OLMo ModelConfig without it."""
+    return getattr(config, name, _KNOB_DEFAULTS[name])
 
 
 def _fail(msg: str) -> None:
@@ -121,26 +175,33 @@ def validate_model_config(config: ModelConfig, model_type: str) -> None:
             f"MODEL_TYPE {model_type} applies its own per-head Q/K/V norms; set model.attention_layer_norm to false."
         )
     if model_type == "hc":
-        n = getattr(config, "hc_expansion_rate", 2)
+        n = knob(config, "hc_expansion_rate")
         if not isinstance(n, int) or n < 1:
             _fail(f"model.hc_expansion_rate must be a whole number >= 1 (got {n!r}); the paper uses 2.")
     if model_type == "mixln":
-        frac = getattr(config, "mixln_post_fraction", 0.25)
+        frac = knob(config, "mixln_post_fraction")
         if not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
             _fail(f"model.mixln_post_fraction must be a number in [0, 1] (got {frac!r}); Mix-LN uses 0.25.")
     if model_type == "mhc":
-        n = getattr(config, "mhc_expansion_rate", 4)
+        n = knob(config, "mhc_expansion_rate")
         if not isinstance(n, int) or n < 1:
             _fail(f"model.mhc_expansion_rate must be a whole number >= 1 (got {n!r}); mHC uses 4.")
-        iters = getattr(config, "mhc_sinkhorn_iterations", 20)
+        iters = knob(config, "mhc_sinkhorn_iterations")
         if not isinstance(iters, int) or iters < 1:
             _fail(f"model.mhc_sinkhorn_iterations must be a whole number >= 1 (got {iters!r}); mHC uses 20.")
+        order = knob(config, "mhc_sinkhorn_order")
+        if order not in SINKHORN_ORDERS:
+            _fail(f"model.mhc_sinkhorn_order {order!r} is unknown; use one of: {', '.join(SINKHORN_ORDERS)}.")
+    for knob_name, applies_to in (("post_norm_position", "post"), ("post_pre_x_norm_position", "post_pre")):
+        position = knob(config, knob_name)
+        if model_type == applies_to and position not in NORM_POSITIONS:
+            _fail(f"model.{knob_name} {position!r} is unknown; use one of: {', '.join(NORM_POSITIONS)}.")
     if model_type in _OWN_EMBEDDING_NORM and getattr(config, "embedding_layer_norm", False):
         _fail(
             f"MODEL_TYPE {model_type} normalises the embedding itself; set model.embedding_layer_norm to false."
         )
     if model_type in _TWO_STREAM:
-        form = getattr(config, "siamese_depth_scaling_form", "inv_sqrt_layer")
+        form = knob(config, "siamese_depth_scaling_form")
         if form not in DEPTH_SCALING_FORMS:
             _fail(
                 f"model.siamese_depth_scaling_form {form!r} is unknown; use one of: {', '.join(DEPTH_SCALING_FORMS)}."
@@ -177,7 +238,7 @@ def as_siamese_config(config: ModelConfig, **changes) -> SiameseModelConfig:
 
 def depth_scale(config: ModelConfig, layer_id: int) -> float:
     """c(l): the bounded stream receives O / c(l). 1.0 when depth-wise scaling is off."""
-    if not getattr(config, "siamese_depth_scaling", True):
+    if not knob(config, "siamese_depth_scaling"):
         return 1.0
-    form = getattr(config, "siamese_depth_scaling_form", "inv_sqrt_layer")
+    form = knob(config, "siamese_depth_scaling_form")
     return float(DEPTH_SCALING_FORMS[form](layer_id))

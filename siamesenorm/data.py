@@ -220,12 +220,22 @@ def _init_worker(tokenizer_id: str) -> None:
     _worker_state["tok"] = load_tokenizer(tokenizer_id)
 
 
+def unit_fingerprint(docs: list[str]) -> str:
+    """sha256 of a unit's documents, in order: a unit is reused only when its inputs are byte-identical."""
+    h = hashlib.sha256()
+    for text in docs:
+        data = text.encode("utf-8")
+        h.update(len(data).to_bytes(8, "little"))
+        h.update(data)
+    return h.hexdigest()
+
+
 def _tokenize_unit(job) -> dict:
     unit, docs, out_dir, eos, dtype, val_fraction = job
     tok = _worker_state.get("tok")
     out = Path(out_dir)
     encoded = tok.encode_batch(docs, add_special_tokens=False)
-    record = {"unit": unit, "documents": len(docs), "files": {}}
+    record = {"unit": unit, "documents": len(docs), "inputs_sha256": unit_fingerprint(docs), "files": {}}
     for split in ("train", "val"):
         ids: list[int] = []
         ndocs = 0
@@ -243,6 +253,7 @@ def _tokenize_unit(job) -> dict:
             "split": split,
             "tokens": len(ids),
             "documents": ndocs,
+            "max_token_id": max(ids),
             "sha256": hashlib.sha256(data).hexdigest(),
         }
     _atomic_write(out / "units" / f"{unit:05d}.json", json.dumps(record, indent=1).encode())
@@ -283,15 +294,22 @@ def prepare(settings: PrepareSettings, output: str | Path, num_workers: int = 1,
     if not stamp.exists():
         _atomic_write(stamp, json.dumps(settings.fingerprint(), indent=1).encode())
 
-    done = {int(p.stem) for p in (out / "units").glob("*.json")}
+    done = {int(p.stem): json.loads(p.read_text()).get("inputs_sha256") for p in (out / "units").glob("*.json")}
     if done:
         log.info("resuming: %d work units already done in %s", len(done), out)
     skips = Skips()
+    seen: set[int] = set()
+    changed: list[int] = []
 
     def jobs():
         for unit, docs in _units(iter_documents(settings, skips), settings.docs_per_unit):
-            if unit not in done:
-                yield unit, docs, str(out), settings.eos_token_id, dtype, settings.val_fraction
+            seen.add(unit)
+            if unit in done and done[unit] == unit_fingerprint(docs):
+                continue
+            if unit in done:
+                changed.append(unit)
+                _remove_unit(out, unit)
+            yield unit, docs, str(out), settings.eos_token_id, dtype, settings.val_fraction
 
     bar = None
     if progress:
@@ -311,7 +329,20 @@ def prepare(settings: PrepareSettings, output: str | Path, num_workers: int = 1,
                     bar.update(1)
     if bar is not None:
         bar.close()
+    if changed:
+        log.warning("re-tokenized %d work units whose input documents changed since the last run: %s",
+                    len(changed), changed[:20])
+    for unit in sorted(set(done) - seen):  # the inputs now end earlier: units past the end are stale
+        _remove_unit(out, unit)
+        log.warning("removed work unit %d: the inputs no longer reach it", unit)
     return _write_manifest(out, settings, dtype, tok.get_vocab_size(), skips)
+
+
+def _remove_unit(out: Path, unit: int) -> None:
+    """Delete a unit's record first (so an interruption leaves it 'not done'), then its token files."""
+    (out / "units" / f"{unit:05d}.json").unlink(missing_ok=True)
+    for split in ("train", "val"):
+        (out / split / f"{unit:05d}.npy").unlink(missing_ok=True)
 
 
 def _write_manifest(out: Path, settings: PrepareSettings, dtype: str, vocab: int, skips: Skips) -> dict:

@@ -83,10 +83,15 @@ class Ref:
 
     def post(self, ids):
         x = self.embed(ids)
+        before = self.c.post_norm_position == "before_sublayer"  # the HybridNorm fork: x = LN(x); x = x + F(x)
         for i in range(self.c.n_layers):
             b = f"transformer.blocks.{i}."
-            x = self.norm(b + "attn_norm", x + self.attn(i, x))
-            x = self.norm(b + "ff_norm", x + self.mlp(i, x))
+            for sub, fn in (("attn", self.attn), ("ff", self.mlp)):
+                if before:
+                    x = self.norm(b + sub + "_norm", x)
+                    x = x + fn(i, x)
+                else:
+                    x = self.norm(b + sub + "_norm", x + fn(i, x))
         return self.logits(x)
 
     def hybrid(self, ids, norm_then_rope=True):
@@ -101,12 +106,17 @@ class Ref:
         X = Y = self.embed(ids)
         ni = self.c.siamese_normalized_input
         last = self.c.n_layers - 1
+        before = self.c.post_pre_x_norm_position == "before_sublayer"  # the official DeiT/DiT Block
         for i in range(self.c.n_layers):
             b, cl = f"transformer.blocks.{i}.", self.depth_scale(i)
             for sub, fn in (("attn", self.attn), ("ff", self.mlp)):
+                if before:
+                    X = self.norm(b + sub + "_norm_x", X)
                 H = X + self.norm(b + sub + "_norm_y", Y)
                 O = fn(i, self.norm(b + sub + "_norm", H) if ni else H)
-                X = self.norm(b + sub + "_norm_x", X + O / cl)
+                X = X + O / cl
+                if not before:
+                    X = self.norm(b + sub + "_norm_x", X)
                 Y = Y + O
         b = f"transformer.blocks.{last}."
         return self.logits(self.norm(b + "out_norm_x", X) + self.norm(b + "out_norm_y", Y))
@@ -219,8 +229,12 @@ class Ref:
         post = 2 * torch.sigmoid(g[1] * logits[..., n : 2 * n] + self.p[prefix + "bias_post"])
         m = torch.exp(g[2] * logits[..., 2 * n :].reshape(*logits.shape[:-1], n, n) + self.p[prefix + "bias_res"])
         for _ in range(self.c.mhc_sinkhorn_iterations):  # plain (not log-domain) Sinkhorn-Knopp
-            m = m / m.sum(-1, keepdim=True)
-            m = m / m.sum(-2, keepdim=True)
+            if self.c.mhc_sinkhorn_order == "columns_first":  # the mHC paper: T_r(T_c(M))
+                m = m / m.sum(-2, keepdim=True)
+                m = m / m.sum(-1, keepdim=True)
+            else:
+                m = m / m.sum(-1, keepdim=True)
+                m = m / m.sum(-2, keepdim=True)
         return pre, post, m
 
     def mhc(self, ids):

@@ -67,8 +67,12 @@ def test_stream_ratios_at_init_are_one_and_follow_the_weights():
     result = analysis.stream_ratios(model)
     assert result["ratio_x_over_y"]["attention"] == [1.0, 3.0, 1.0]
     assert result["ratio_x_over_y"]["mlp"] == [1.0, 1.0, 2.0]
-    post_pre = analysis.stream_ratios(build_model(tiny_config(), "post_pre"))
-    assert post_pre["ratio_x_over_y"]["attention"][0] is None  # X_0 is the embedding: no scale yet
+    text = analysis.stream_ratios(build_model(tiny_config(post_pre_x_norm_position="after_addition"), "post_pre"))
+    assert text["ratio_x_over_y"]["attention"][0] is None  # X_0 is the embedding: no scale yet
+    official = build_model(tiny_config(), "post_pre")  # LN^X before each sublayer: layer 0's X has a scale
+    with torch.no_grad():
+        official.transformer.blocks[0].attn_norm_x.weight.fill_(2.0)
+    assert analysis.stream_ratios(official)["ratio_x_over_y"]["attention"][0] == 2.0
 
 
 @pytest.mark.parametrize("model_type", ["pre", "hc", "residual"])

@@ -130,12 +130,18 @@ def test_peri_each_update_is_its_output_norm_of_the_branch_output():
 
 # ---- mhc ---------------------------------------------------------------------------------------------------
 def test_sinkhorn_is_doubly_stochastic():
+    """The mHC paper's order T_r(T_c(.)) ends on rows (exact); columns are within the iterations' tolerance."""
     logits = torch.randn(50, 4, 4)
     m = sinkhorn(logits, 20)
-    torch.testing.assert_close(m.sum(-1), torch.ones(50, 4), atol=1e-4, rtol=0)
-    torch.testing.assert_close(m.sum(-2), torch.ones(50, 4), atol=1e-6, rtol=0)
+    torch.testing.assert_close(m.sum(-1), torch.ones(50, 4), atol=1e-6, rtol=0)
+    torch.testing.assert_close(m.sum(-2), torch.ones(50, 4), atol=1e-3, rtol=0)
     assert (m > 0).all()
-    assert (sinkhorn(logits, 1).sum(-1) - 1).abs().max() > 1e-2  # one iteration is not enough: the test can fail
+    assert (sinkhorn(logits, 1).sum(-2) - 1).abs().max() > 1e-2  # one iteration is not enough: the test can fail
+    one = sinkhorn(logits, 1)  # one columns-then-rows step: rows exact, columns not
+    torch.testing.assert_close(one.sum(-1), torch.ones(50, 4), atol=1e-6, rtol=0)
+    legacy = sinkhorn(logits, 1, "rows_first")  # the other order: columns exact, rows not
+    torch.testing.assert_close(legacy.sum(-2), torch.ones(50, 4), atol=1e-6, rtol=0)
+    assert (legacy.sum(-1) - 1).abs().max() > 1e-2
 
 
 def test_mhc_mixing_stays_doubly_stochastic_after_training_steps():

@@ -143,3 +143,27 @@ def test_nothing_to_tokenize_is_an_error(tmp_path):
 def test_olmo_packaged_tokenizer_loads_offline():
     tok = D.load_tokenizer(D.OLMO_TOKENIZER)
     assert tok.get_vocab_size() >= 50_277 and D.default_eos_id(tok) == 50_279
+
+
+def test_changed_input_content_is_retokenized_not_reused(tmp_path):
+    """Same paths and settings, one document edited and the input shortened: the edited unit is tokenized again,
+    units past the new end are removed, and the result equals a clean run on the new input."""
+    docs = austen_docs(20)
+    src = write_jsonl(tmp_path / "in.jsonl", docs)
+    settings = PrepareSettings([str(src)], tokenizer=TOKENIZER, docs_per_unit=5)
+    prepare(settings, tmp_path / "out", progress=False)
+    before = json.loads((tmp_path / "out" / "manifest.json").read_text())
+    edited = docs[:15]
+    edited[7] = edited[7].replace("the", "THE")  # unit 1 changes
+    write_jsonl(src, edited)
+    manifest = prepare(settings, tmp_path / "out", progress=False)
+    prepare(settings, tmp_path / "clean", progress=False)
+    clean = json.loads((tmp_path / "clean" / "manifest.json").read_text())
+    assert manifest["files"] == clean["files"] and manifest["totals"] == clean["totals"]
+    assert manifest["files"] != before["files"]
+    assert not (tmp_path / "out" / "units" / "00003.json").exists()
+    assert sorted(p.name for p in (tmp_path / "out" / "train").glob("*.npy")) == \
+        sorted(p.name for p in (tmp_path / "clean" / "train").glob("*.npy"))
+    for rel, meta in manifest["files"].items():
+        tokens = np.fromfile(tmp_path / "out" / rel, dtype=np.uint16)
+        assert meta["max_token_id"] == int(tokens.max())

@@ -48,11 +48,17 @@ def test_pre_is_olmo_stock_block_bit_identical():
         assert torch.equal(a.grad, b.grad), name
 
 
-def test_post_pre_with_bounded_stream_zeroed_is_pre_norm():
-    """LN^X scales = 0. Needs: RMSNorm, normalized input on, LN^Y scales 1 (their init) and an eps far below the
-    embedding's mean square, so that LN^in(X_0 + LN^Y(X_0)) = LN^in(X_0) at layer 0. Depth scaling is then moot
-    (X is zero after every sublayer); it is switched off to state it."""
-    cfg = dict(layer_norm_eps=1e-12, siamese_normalized_input=True, siamese_depth_scaling=False)
+POSITIONS = ["before_sublayer", "after_addition"]
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+def test_post_pre_with_bounded_stream_zeroed_is_pre_norm(position):
+    """LN^X scales = 0 (out_norm_x included). Needs: RMSNorm, normalized input on, LN^Y scales 1 (their init) and an
+    eps far below the embedding's mean square, so that LN^in(X_0 + LN^Y(X_0)) = LN^in(X_0) at layer 0 (after_addition;
+    before_sublayer zeroes X_0 itself). Depth scaling is then moot (X is zeroed at every sublayer); it is switched
+    off to state it. Holds for both placements of LN^X."""
+    cfg = dict(layer_norm_eps=1e-12, siamese_normalized_input=True, siamese_depth_scaling=False,
+               post_pre_x_norm_position=position)
     pre = randomize(build_model(tiny_config(**cfg), "pre"))
     siamese = build_model(tiny_config(**cfg), "post_pre")
     left = copy_shared(pre, siamese)  # pre's attn_norm / ff_norm become LN^in: same names
@@ -67,9 +73,12 @@ def test_post_pre_with_bounded_stream_zeroed_is_pre_norm():
     assert not torch.allclose(siamese(x).logits, pre(x).logits, rtol=1e-3, atol=1e-3)
 
 
-def test_post_pre_with_pre_norm_stream_zeroed_is_post_norm():
-    """LN^Y scales = 0, depth-wise scaling off, normalized input off (section 3's plain equations)."""
-    cfg = dict(siamese_normalized_input=False, siamese_depth_scaling=False)
+@pytest.mark.parametrize("position", POSITIONS)
+def test_post_pre_with_pre_norm_stream_zeroed_is_post_norm(position):
+    """LN^Y scales = 0, depth-wise scaling off, normalized input off (section 3's plain equations). The Post-Norm it
+    reduces to has LN^X's placement: paper eq. 2 for after_addition, the HybridNorm fork's for before_sublayer."""
+    cfg = dict(siamese_normalized_input=False, siamese_depth_scaling=False, post_pre_x_norm_position=position,
+               post_norm_position=position)
     post = randomize(build_model(tiny_config(**cfg), "post"))
     siamese = build_model(tiny_config(**cfg), "post_pre")
     left = copy_shared(post, siamese, rename={"attn_norm.": "attn_norm_x.", "ff_norm.": "ff_norm_x."})

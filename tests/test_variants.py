@@ -13,12 +13,17 @@ from siamesenorm import MODEL_TYPES, build_model, num_params_from_config
 CASES = [(mt, {}) for mt in MODEL_TYPES] + [
     ("hc", {"hc_expansion_rate": 1}),
     ("hc", {"hc_expansion_rate": 3}),
-    ("post_pre", {"siamese_normalized_input": False, "siamese_depth_scaling_form": "inv_sqrt_2layer"}),
+    ("post_pre", {"siamese_normalized_input": False, "siamese_depth_scaling_form": "inv_sqrt_layer"}),
+    ("post_pre", {"post_pre_x_norm_position": "after_addition", "siamese_depth_scaling_form": "inv_sqrt_layer"}),
+    ("post_pre", {"post_pre_x_norm_position": "after_addition", "siamese_normalized_input": False}),
+    ("post", {"post_norm_position": "before_sublayer"}),
+    ("hybrid_pre", {"siamese_depth_scaling_form": "inv_sqrt_layer"}),
     ("hybrid_pre", {"siamese_normalized_input": False}),
     ("hybrid_pre", {"siamese_depth_scaling": False}),
     ("mixln", {"mixln_post_fraction": 0.5}),
     ("mhc", {"mhc_expansion_rate": 2, "mhc_sinkhorn_iterations": 5}),
     ("mhc", {"mhc_expansion_rate": 1}),
+    ("mhc", {"mhc_sinkhorn_order": "rows_first", "mhc_sinkhorn_iterations": 2}),
 ]
 IDS = [mt + "".join(f"-{k}={v}" for k, v in o.items()) for mt, o in CASES]
 

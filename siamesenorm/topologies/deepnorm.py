@@ -29,6 +29,8 @@ def deepnorm_beta(n_layers: int) -> float:
 
 
 class DeepNormBlock(PostNormBlock):
+    position_knob = None  # post_norm_position is post's knob; this block normalises after the addition
+
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
         self.residual_scale = deepnorm_alpha(config.n_layers)

@@ -14,6 +14,17 @@ At initialisation layer l (both of its sublayers) reads stream l mod n and adds 
 all streams stay equal to the Pre-Norm state. The embedding is copied into every stream by block 0, and the last
 block sums the streams; OLMo's ``ln_f`` follows.
 
+HC paper section 4, followed by default:
+  * the output weights of attention and MLP (attn_out, ff_out) start with OLMo's init divided by sqrt(n)
+    (``hc_scale_output_init``): each sublayer output is written into all n streams, which the output sums. The
+    paper says the std is "scaled by sqrt(n)"; dividing is the reading under which the summed output keeps a
+    Pre-Norm-like scale (docs/fidelity.md);
+  * weight decay on the dynamic projections W_a, w_b; none on the static A_s, B_s nor on the scales s_a, s_b
+    (``hc_decay_dynamic``).
+norm(H) in the dynamic part is the model's own norm (``layer_norm_type``: RMSNorm in every recipe here, eps
+1e-5), one per connection, affine like the model's other norms; the HC paper's Algorithm 2 writes LayerNorm.
+With the same norm the connections equal lucidrains' hyper-connections exactly (docs/fidelity.md).
+
     h_1 ---A---+-------------------(+ B_1 F)---> h_1
     h_2 ---A---+--> input --LN--F--+
      ...       |                   (+ B_j F)---> h_j
@@ -21,10 +32,13 @@ block sums the streams; OLMo's ``ln_f`` follows.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 from olmo.config import ModelConfig
 
+from ..config import knob
 from .base import ConnectedStreamsBlock, TopologyBlock, norm_params
 
 __all__ = ["HyperConnection", "HyperConnectionBlock"]
@@ -39,6 +53,10 @@ class HyperConnection(nn.Module):
         super().__init__()
         d, device = block.config.d_model, block.config.init_device
         self.n, self.read_stream = n, read_stream
+        #: Parameters of this module that take weight decay (siamesenorm.train builds the optimizer groups).
+        self.weight_decay_params = (
+            ("dynamic_alpha_fn", "dynamic_beta_fn") if knob(block.config, "hc_decay_dynamic") else ()
+        )
         self.norm = block.new_norm()
         self.static_alpha = nn.Parameter(torch.zeros(n, 1 + n, device=device))
         self.static_beta = nn.Parameter(torch.ones(n, device=device))
@@ -83,6 +101,13 @@ class HyperConnectionBlock(ConnectedStreamsBlock):
         read = layer_id % self.n_streams
         self.attn_hc = HyperConnection(self, self.n_streams, read)
         self.ff_hc = HyperConnection(self, self.n_streams, read)
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        if knob(self.config, "hc_scale_output_init"):
+            with torch.no_grad():
+                for linear in (self.attn_out, self.ff_out):
+                    linear.weight.div_(math.sqrt(self.n_streams))
 
     @classmethod
     def extra_params(cls, config: ModelConfig, layer_id: int) -> int:

@@ -10,8 +10,8 @@ with OLMo's Pre-Norm inside: F(LN(.))), per token, with h~ = RMSNorm(flatten(H))
     input  = sum_s H_pre[s] h_s
     h_j   <- sum_s H_res[j, s] h_s + H_post[j] * F(input)
 
-Sinkhorn(M) alternately normalises the rows and columns of exp(M) (``mhc_sinkhorn_iterations``, 20, in the log
-domain), so H_res has rows and columns summing to 1 and the residual mixing can neither grow nor shrink the
+Sinkhorn(M) alternately normalises the columns and rows of exp(M) (``mhc_sinkhorn_iterations``, 20, in the log
+domain; columns first, then rows, as the paper's T_r(T_c(.)): ``mhc_sinkhorn_order``), so H_res has rows and columns summing to 1 and the residual mixing can neither grow nor shrink the
 streams' mean. The coefficients are computed in fp32 with autocast off, whatever the training precision.
 
 Choices where implementations disagree (documented in docs/architecture.md):
@@ -19,7 +19,7 @@ Choices where implementations disagree (documented in docs/architecture.md):
     every stream receives F's output, as in Hyper-Connections), b_pre = logit(1/n) (the branch reads the mean
     of the streams; 0 for n = 1), b_res = 0 (H_res starts uniform, 1/n everywhere). Uniform rather than
     near-identity because Sinkhorn converges slowly near a permutation matrix: from a 0.95-diagonal start,
-    20 iterations left row sums 2e-3 off 1, from the uniform start 2e-7 (scripts/sinkhorn_convergence.py);
+    20 iterations left column sums 1.8e-3 off 1, from the uniform start 2.4e-7 (scripts/sinkhorn_convergence.py);
   * the factor 2 on H_post is kept (so that the init above gives 1);
   * output: the mean of the n streams (at init all streams are equal, so the model starts as Pre-Norm);
     OLMo's ``ln_f`` follows. Block 0 copies the embedding into every stream.
@@ -33,6 +33,7 @@ import torch
 import torch.nn as nn
 from olmo.config import ModelConfig
 
+from ..config import knob
 from .base import ConnectedStreamsBlock, TopologyBlock, norm_params
 
 __all__ = ["ManifoldHyperConnection", "ManifoldHyperConnectionBlock", "sinkhorn"]
@@ -40,23 +41,27 @@ __all__ = ["ManifoldHyperConnection", "ManifoldHyperConnectionBlock", "sinkhorn"
 _GATE_INIT = 0.01
 
 
-def sinkhorn(logits: torch.Tensor, iterations: int) -> torch.Tensor:
+def sinkhorn(logits: torch.Tensor, iterations: int, order: str = "columns_first") -> torch.Tensor:
     """A doubly stochastic matrix from (..., n, n) logits: Sinkhorn-Knopp on exp(logits), log domain, fp32.
-    The last step normalises columns, so columns sum to 1 exactly and rows to within the iteration's tolerance."""
+
+    "columns_first" (the mHC paper's T_r(T_c(M)) per iteration): columns are normalised, then rows, so rows sum
+    to 1 exactly and columns to within the iteration's tolerance. "rows_first" is the transpose of that order
+    (columns end exact)."""
+    first, second = (-2, -1) if order == "columns_first" else (-1, -2)
     log_p = logits.float()
     for _ in range(iterations):
-        log_p = log_p - log_p.logsumexp(dim=-1, keepdim=True)
-        log_p = log_p - log_p.logsumexp(dim=-2, keepdim=True)
+        log_p = log_p - log_p.logsumexp(dim=first, keepdim=True)
+        log_p = log_p - log_p.logsumexp(dim=second, keepdim=True)
     return log_p.exp()
 
 
 class ManifoldHyperConnection(nn.Module):
     """The pre / post / residual mappings around one sublayer."""
 
-    def __init__(self, block: TopologyBlock, n: int, iterations: int):
+    def __init__(self, block: TopologyBlock, n: int, iterations: int, order: str = "columns_first"):
         super().__init__()
         d, device = block.config.d_model, block.config.init_device
-        self.n, self.iterations = n, iterations
+        self.n, self.iterations, self.order = n, iterations, order
         self.norm = block.new_norm(n * d)
         self.proj = nn.Parameter(torch.empty(n * d, n * n + 2 * n, device=device))  # P_pre | P_post | P_res
         self.gates = nn.Parameter(torch.empty(3, device=device))  # a_pre, a_post, a_res
@@ -85,7 +90,7 @@ class ManifoldHyperConnection(nn.Module):
             pre = torch.sigmoid(gates[0] * logits[..., :n] + self.bias_pre.float())
             post = 2.0 * torch.sigmoid(gates[1] * logits[..., n : 2 * n] + self.bias_post.float())
             res_logits = gates[2] * logits[..., 2 * n :].unflatten(-1, (n, n)) + self.bias_res.float()
-            res = sinkhorn(res_logits, self.iterations)
+            res = sinkhorn(res_logits, self.iterations, self.order)
         return pre, post, res
 
     def width(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -107,8 +112,9 @@ class ManifoldHyperConnectionBlock(ConnectedStreamsBlock):
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
         self.n_streams = config.mhc_expansion_rate
-        self.attn_mhc = ManifoldHyperConnection(self, self.n_streams, config.mhc_sinkhorn_iterations)
-        self.ff_mhc = ManifoldHyperConnection(self, self.n_streams, config.mhc_sinkhorn_iterations)
+        args = (self.n_streams, config.mhc_sinkhorn_iterations, knob(config, "mhc_sinkhorn_order"))
+        self.attn_mhc = ManifoldHyperConnection(self, *args)
+        self.ff_mhc = ManifoldHyperConnection(self, *args)
 
     def contributions(self, streams):  # the mean of the streams
         return [s / self.n_streams for s in streams]

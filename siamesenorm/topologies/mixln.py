@@ -26,6 +26,8 @@ def mixln_post_layers(config: ModelConfig) -> int:
 
 
 class MixLNBlock(PostNormBlock):
+    position_knob = None  # post_norm_position is post's knob; this block normalises after the addition
+
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
         self.is_post_ln = layer_id < mixln_post_layers(config)

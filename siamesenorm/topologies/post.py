@@ -1,32 +1,48 @@
-"""Post-Norm (paper eq. 2), after the attention and after the MLP sublayer:
+"""Post-Norm, after the attention and after the MLP sublayer. Two placements (``model.post_norm_position``):
 
-    X_{i+1} = LN_i(X_i + F_i(X_i))
+    "after_addition" (default; paper eq. 2, the original Transformer):
+        X_{i+1} = LN_i(X_i + F_i(X_i))                 X_0 = embedding; the last block's output is normalised
+    "before_sublayer" (the HybridNorm OLMo fork's Post-Norm switch, its model.py lines 815-821 and 870-881):
+        X'      = LN_i(X_i)
+        X_{i+1} = X' + F_i(X')                         X_0 enters LN, the last block's output reaches ln_f as is
 
-The embedding enters block 0 un-normalised (X_0 = embedding), as in the original Transformer. OLMo's final norm
-``ln_f`` still follows the last block; on an already normalised state it only rescales.
-Note: OLMo's own ``norm_after`` flag computes X + LN(F(X)), which is not Post-Norm; this block is.
+Both are the same chain of "add, normalise" steps shifted by one norm: the fork normalises the embedding and
+leaves the last sum to OLMo's ``ln_f``. OLMo's final norm ``ln_f`` follows the last block in both; on an already
+normalised state it only rescales. Note: OLMo's own ``norm_after`` flag computes X + LN(F(X)), which is neither.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
+from ..config import knob
 from .base import TopologyBlock
 
 __all__ = ["PostNormBlock"]
 
 
 class PostNormBlock(TopologyBlock):
-    """``attn_norm`` and ``ff_norm`` (OLMo's names) are the norms after the two residual additions.
+    """``attn_norm`` and ``ff_norm`` (OLMo's names) are the norms of the attention and the MLP sublayer.
 
     ``residual_scale`` multiplies X before the addition: 1 here, DeepNorm's alpha in its subclass."""
 
     residual_scale: float = 1.0
+    #: The config field that picks the placement; None: always after the addition (DeepNorm, Mix-LN's Post-LN layers).
+    position_knob: Optional[str] = "post_norm_position"
 
     def post_norm_forward(self, x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens):
-        att, cache = self.attention_branch(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
         a = self.residual_scale
-        x = self.norm(self.attn_norm, (x if a == 1.0 else a * x) + att)
+        before = self.position_knob is not None and knob(self.config, self.position_knob) == "before_sublayer"
+        if before:
+            x = self.norm(self.attn_norm, x)
+        att, cache = self.attention_branch(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        x = (x if a == 1.0 else a * x) + att
+        # the norm between the two sublayers: attn_norm after the addition, or ff_norm before the MLP
+        x = self.norm(self.ff_norm if before else self.attn_norm, x)
         o = self.mlp_branch(x)
-        x = self.norm(self.ff_norm, (x if a == 1.0 else a * x) + o)
+        x = (x if a == 1.0 else a * x) + o
+        if not before:
+            x = self.norm(self.ff_norm, x)
         return x, cache
 
     def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):

@@ -1,28 +1,33 @@
 """SiameseNorm, Post-Norm x Pre-Norm (paper section 3, with the two mechanisms of section 4.2).
 
 Two streams share every sublayer F (attention, then MLP). X is bounded (Post-Norm-like), Y keeps a clean identity
-path (Pre-Norm-like). Both start as the embedding, X_0 = Y_0 = embedding. For each sublayer of layer l:
+path (Pre-Norm-like); X_0 = Y_0 = embedding. c(l) is the depth-wise scaling (default sqrt(2(l+1)); 1 when off).
+For each sublayer of layer l, with ``model.post_pre_x_norm_position`` choosing where LN^X sits:
 
-    Y'      = LN^Y(Y)                                  (attn_norm_y / ff_norm_y)
-    H       = LN^in(X + Y')  if normalized input       (attn_norm / ff_norm, OLMo's names)
-            = X + Y'         otherwise
-    O       = F(H)
-    X       = LN^X(X + O / c(l))                       (attn_norm_x / ff_norm_x); c(l) = depth-wise scaling or 1
-    Y       = Y + O
+    "before_sublayer" (default; the official DeiT/DiT SiameseNorm Block, deit-model-siamesenorm.py lines 216-227):
+        X  = LN^X(X)                               (attn_norm_x / ff_norm_x)
+        H  = LN^in(X + LN^Y(Y))                    (attn_norm / ff_norm; attn_norm_y / ff_norm_y)
+        O  = F(H);      X = X + O / c(l);   Y = Y + O
+      so layer 0 sees LN^X(embedding), and the last block's X enters the fusion without a further LN^X.
 
-After the last layer:  output = LN_final(LN^out_X(X) + LN^out_Y(Y)), where LN_final is OLMo's ``ln_f`` and
-LN^out_X / LN^out_Y (out_norm_x / out_norm_y) live in the last block; their scales are the fusion weights.
+    "after_addition" (the paper's section-3 text):
+        H  = LN^in(X + LN^Y(Y))
+        O  = F(H);      X = LN^X(X + O / c(l)); Y = Y + O
 
-         X ----------------------+---(+ O/c)--LN^X--> X
-                                 |       ^
-         Y --+--LN^Y--(+)--LN^in-+--F----+
-             |         ^ X                |
-             +----------------------(+ O)--------> Y
+Without the normalized input (``siamese_normalized_input=false``) H = X + LN^Y(Y). After the last layer:
+output = LN_final(LN^out_X(X) + LN^out_Y(Y)), LN_final being OLMo's ``ln_f``, LN^out_X / LN^out_Y (out_norm_x /
+out_norm_y) living in the last block; their scales are the fusion weights. (The official head names them
+pre_norm(x) and post_norm(y).)
 
-Reductions (section 3, tested): with every LN^X scale zeroed this is Pre-Norm (RMSNorm, normalized input on);
-with every LN^Y scale zeroed it is Post-Norm (depth scaling and normalized input off).
-The paper's reference code applies LN^X before each sublayer instead of after, so its X_0 = LN(embedding);
-we follow the paper's equations, X_0 = embedding.
+         X --[LN^X]--+---------------(+ O/c)--[LN^X]--> X       [LN^X]: one of the two, per the knob
+                     |                  ^
+         Y --+--LN^Y-(+)--LN^in--F------+
+             |                          |
+             +--------------------(+ O)-------------------> Y
+
+Reductions (section 3, tested for both placements): with every LN^X scale zeroed (out_norm_x included) this is
+Pre-Norm (RMSNorm, normalized input on); with every LN^Y scale zeroed it is Post-Norm with the same placement
+(post_norm_position = this knob; depth scaling and normalized input off).
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from __future__ import annotations
 import torch
 from olmo.config import ModelConfig
 
+from ..config import knob
 from .base import TwoStreamBlock, norm_params
 
 __all__ = ["SiamesePostPreBlock"]
@@ -54,21 +60,33 @@ class SiamesePostPreBlock(TwoStreamBlock):
             h = self.norm(getattr(self, in_norm_name), h)
         return h
 
+    @property
+    def x_norm_before_sublayer(self) -> bool:
+        return knob(self.config, "post_pre_x_norm_position") == "before_sublayer"
+
     def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
         xs, ys = self.split_streams(x)
+        before = self.x_norm_before_sublayer
+        if before:
+            xs = self.norm(self.attn_norm_x, xs)
         h = self.sublayer_input("attn_norm", xs, ys, self.attn_norm_y)
         o, cache = self.attention_branch(h, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
-        xs = self.norm(self.attn_norm_x, xs + o / self.depth_scale)
+        xs = self.norm(self.ff_norm_x if before else self.attn_norm_x, xs + o / self.depth_scale)
         ys = ys + o
         h = self.sublayer_input("ff_norm", xs, ys, self.ff_norm_y)
         o = self.mlp_branch(h)
-        xs = self.norm(self.ff_norm_x, xs + o / self.depth_scale)
+        xs = xs + o / self.depth_scale
+        if not before:
+            xs = self.norm(self.ff_norm_x, xs)
         ys = ys + o
         return self.finish([xs, ys]), cache
 
     def input_scales(self, previous: "SiamesePostPreBlock | None") -> dict:
-        """(scale of X, scale of Y) as each sublayer's input receives them (paper figure 6): X was last normalised by
-        the previous sublayer's LN^X (None before layer 0's attention: X_0 is the embedding), Y by this LN^Y."""
+        """(scale of X, scale of Y) as each sublayer's input receives them (paper figure 6): X's scale is that of
+        the LN^X it last went through, Y's that of this sublayer's LN^Y. before_sublayer: this block's attn_norm_x /
+        ff_norm_x. after_addition: the previous sublayer's LN^X (None before layer 0's attention: X_0 = embedding)."""
+        if self.x_norm_before_sublayer:
+            return {"attention": (self.attn_norm_x, self.attn_norm_y), "mlp": (self.ff_norm_x, self.ff_norm_y)}
         x_attn = previous.ff_norm_x if previous is not None else None
         return {"attention": (x_attn, self.attn_norm_y), "mlp": (self.attn_norm_x, self.ff_norm_y)}
 

@@ -1,0 +1,209 @@
+"""The training config: loading a recipe with overrides, and every check a run makes before its first step.
+
+Each check fails with one line (a ``RunError``) that says what to change. ``validate_run`` is what both a real start
+and ``--dry-run`` call, so a dry run refuses exactly what a real start would.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from dataclasses import dataclass, field
+from glob import glob
+from pathlib import Path
+from typing import List, Optional
+
+import numpy as np
+from olmo.config import TrainConfig
+from olmo.exceptions import OLMoConfigurationError
+from olmo.util import clean_opt
+
+from .config import SiameseModelConfig
+from .records import StabilityConfig
+
+__all__ = ["SiameseTrainConfig", "RunError", "load_config", "expand_paths", "check_data_paths", "validate_run",
+           "check_token_files"]
+
+
+@dataclass
+class SiameseTrainConfig(TrainConfig):
+    """OLMo's TrainConfig whose model section also takes model_type and the variant knobs."""
+
+    model: SiameseModelConfig = field(default_factory=SiameseModelConfig)
+    metrics_file: Optional[str] = None
+    """JSON lines, one per logged step and per evaluation; default ``{save_folder}/metrics.jsonl``."""
+    stability: StabilityConfig = field(default_factory=StabilityConfig)
+    """The divergence guard and the loss-spike rule (siamesenorm/records.py)."""
+    verify_data_sha256: bool = False
+    """Before step 1, also check every token file's sha256 against its manifest (slow on large corpora)."""
+
+
+class RunError(OLMoConfigurationError):
+    """A problem with the run's inputs; the message says what to change."""
+
+
+def _one_line(err: Exception) -> str:
+    """omegaconf / OLMo errors span several lines (message, full_key, object_type): keep the message and the key."""
+    lines = [line.strip() for line in str(err).splitlines() if line.strip()]
+    key = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("full_key:")), None)
+    return lines[0] + (f" (at {key})" if key and key not in lines[0] else "") if lines else type(err).__name__
+
+
+def load_config(path: str, overrides: Optional[List[str]] = None) -> SiameseTrainConfig:
+    """Load a YAML recipe with ``--key=value`` overrides, as OLMo's CLI accepts them."""
+    if not Path(path).is_file():
+        raise RunError(f"config file {path} not found; pick one from configs/ (docs/training.md lists them).")
+    overrides = list(overrides or [])
+    for i, option in enumerate(overrides):
+        if option.startswith("--"):
+            continue  # --key=value, or a bare --flag meaning true
+        before = overrides[i - 1] if i else None
+        if before is not None and before.startswith("--") and "=" not in before:
+            raise RunError(f"write {before}={option} (with '=', no space): overrides are --key=value.")
+        raise RunError(f"unexpected argument {option!r}: overrides are --key=value (no space around '=').")
+    try:
+        return SiameseTrainConfig.load(path, [clean_opt(o) for o in overrides], validate_paths=False)
+    except OLMoConfigurationError as err:
+        raise RunError(f"{path}: {_one_line(err)}") from None
+    except Exception as err:  # a YAML syntax error names its line and column
+        if type(err).__module__.startswith("yaml"):
+            mark = getattr(err, "problem_mark", None)
+            where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            raise RunError(f"{path} is not valid YAML{where}: {getattr(err, 'problem', err)}.") from None
+        raise
+
+
+def expand_paths(paths: List[str]) -> List[str]:
+    """Path patterns (``*``, ``?``, ``[``) expanded to the sorted files they match; other paths as given."""
+    out: List[str] = []
+    for p in paths:
+        out.extend(sorted(glob(p)) if any(c in p for c in "*?[") else [p])
+    return out
+
+
+_HOW_TO_PREPARE = (
+    "prepare data with scripts/prepare_data.py (docs/training.md, 'Data') and point data.paths "
+    "(and the lm evaluators' paths) at the token files it writes"
+)
+
+
+def _data_sections(cfg: SiameseTrainConfig):
+    sections = [("data.paths", cfg.data)]
+    sections += [(f"evaluator {ev.label}", ev.data) for ev in cfg.evaluators if str(ev.type) == "lm"]
+    return sections
+
+
+def check_data_paths(cfg: SiameseTrainConfig) -> None:
+    """Fail before anything starts when a training or evaluation data file is missing or is a folder; expand path
+    globs (OLMo's memmap dataset takes file names only)."""
+    if not (cfg.data.paths or cfg.data.datasets):
+        raise RunError(f"the config names no training data (data.paths is empty): {_HOW_TO_PREPARE}.")
+    for where, data in _data_sections(cfg):
+        groups = [data.paths or []] + list((data.datasets or {}).values())
+        for pattern in (p for group in groups for p in group):
+            if "://" in str(pattern):
+                continue
+            found = expand_paths([str(pattern)])
+            if not found or not all(Path(q).exists() for q in found):
+                raise RunError(f"{where}: no data at {pattern!r}: {_HOW_TO_PREPARE}.")
+            folder = next((q for q in found if Path(q).is_dir()), None)
+            if folder is not None:
+                raise RunError(f"{where}: {folder} is a folder; name its token files, e.g. {folder}/*.npy.")
+        if data.paths:
+            data.paths = expand_paths([str(p) for p in data.paths])
+        if data.datasets:
+            data.datasets = {k: expand_paths([str(p) for p in v]) for k, v in data.datasets.items()}
+
+
+def _manifest_for(path: Path) -> Optional[tuple[dict, str]]:
+    """(manifest, the file's key in it) when ``path`` lies in a folder written by scripts/prepare_data.py."""
+    for root in (path.parent.parent, path.parent):
+        manifest = root / "manifest.json"
+        if manifest.is_file():
+            key = path.resolve().relative_to(root.resolve()).as_posix()
+            return json.loads(manifest.read_text()), key
+    return None
+
+
+def check_token_files(paths: List[str], memmap_dtype: str, vocab_size: int, verify_sha256: bool = False) -> None:
+    """Every token file against what it must be before step 1: its dtype and size as its manifest records them
+    (a truncated file or one read with the wrong dtype is refused), every token id < the model's vocab_size, and
+    optionally its sha256. Files outside a prepared folder get the size and token-id checks only."""
+    itemsize = np.dtype(memmap_dtype).itemsize
+    for name in paths:
+        path = Path(name)
+        if "://" in name:
+            continue
+        size = path.stat().st_size
+        found = _manifest_for(path)
+        meta = None
+        if found is not None:
+            manifest, key = found
+            meta = manifest.get("files", {}).get(key)
+            if meta is None:
+                raise RunError(f"{path} is not listed in {path.parent.parent / 'manifest.json'}: a leftover file? "
+                               "Rerun scripts/prepare_data.py or remove it.")
+            if manifest.get("memmap_dtype") != memmap_dtype:
+                raise RunError(f"{path} holds {manifest.get('memmap_dtype')} tokens (its manifest) but the config "
+                               f"reads {memmap_dtype}: set data.memmap_dtype={manifest.get('memmap_dtype')}.")
+            if size != meta["tokens"] * itemsize:
+                raise RunError(f"{path} has {size:,d} bytes, its manifest says {meta['tokens']:,d} tokens of "
+                               f"{memmap_dtype} ({meta['tokens'] * itemsize:,d} bytes): the file is truncated or "
+                               "changed; rerun scripts/prepare_data.py.")
+            if verify_sha256 and hashlib.sha256(path.read_bytes()).hexdigest() != meta["sha256"]:
+                raise RunError(f"{path}: sha256 differs from its manifest; rerun scripts/prepare_data.py.")
+        elif size % itemsize:
+            raise RunError(f"{path} has {size:,d} bytes, not a whole number of {memmap_dtype} tokens: check "
+                           "data.memmap_dtype or the file.")
+        max_id = meta.get("max_token_id") if meta else None
+        if max_id is None and size:
+            tokens = np.memmap(path, dtype=memmap_dtype, mode="r")
+            max_id = max(int(tokens[i : i + 2**26].max()) for i in range(0, len(tokens), 2**26))
+        if max_id is not None and max_id >= vocab_size:
+            raise RunError(f"{path} holds token id {max_id}, but model.vocab_size is {vocab_size}: the data was "
+                           "tokenized with another tokenizer, or set model.vocab_size (and embedding_size) above it.")
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise RunError(message)
+
+
+def validate_run(cfg: SiameseTrainConfig) -> None:
+    """The values a run cannot start with, each as one line. Model-type specifics: config.validate_model_config."""
+    m = cfg.model
+    _check(m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads == 0,
+           f"model.d_model ({m.d_model}) must be a positive multiple of model.n_heads ({m.n_heads}).")
+    _check(m.n_layers >= 1, f"model.n_layers must be >= 1 (got {m.n_layers}).")
+    _check(m.vocab_size >= 1 and (m.embedding_size is None or m.embedding_size >= m.vocab_size),
+           f"model.embedding_size ({m.embedding_size}) must be >= model.vocab_size ({m.vocab_size}).")
+    lr = cfg.optimizer.learning_rate
+    _check(isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0,
+           f"optimizer.learning_rate must be a positive number (got {lr}).")
+    _check(cfg.optimizer.weight_decay >= 0, f"optimizer.weight_decay must be >= 0 (got {cfg.optimizer.weight_decay}).")
+    s = cfg.stability
+    _check(s.patience >= 1, f"stability.patience must be >= 1 (got {s.patience}).")
+    _check(s.spike_window >= 1, f"stability.spike_window must be >= 1 (got {s.spike_window}).")
+    _check(s.spike_factor > 1.0, f"stability.spike_factor must be > 1 (got {s.spike_factor}).")
+    _check(cfg.global_train_batch_size >= 1 and cfg.device_train_microbatch_size >= 1,
+           "global_train_batch_size and device_train_microbatch_size must be >= 1.")
+    try:
+        duration = str(cfg.max_duration)
+        value = float(duration[:-2] if duration.endswith("ep") else duration.rstrip("T"))
+        _check(value > 0, f"max_duration must be positive (got {cfg.max_duration}).")
+    except ValueError:
+        raise RunError(f"max_duration {cfg.max_duration!r} is not steps (300), tokens (2e9T) or epochs (1ep).") from None
+    _check(cfg.save_folder is not None, "save_folder is not set; pass --save_folder=runs/NAME.")
+    if cfg.compile is not None:
+        raise RunError("compile: is not supported by this entry point yet (docs/training.md); remove it from the config.")
+
+
+def check_batch_split(cfg: SiameseTrainConfig, world_size: int) -> None:
+    _check(cfg.global_train_batch_size % world_size == 0,
+           f"global_train_batch_size ({cfg.global_train_batch_size}) must be divisible by the number of processes "
+           f"({world_size}).")
+    per_device = cfg.global_train_batch_size // world_size
+    _check(per_device % cfg.device_train_microbatch_size == 0,
+           f"the per-process batch ({per_device}) must be a multiple of device_train_microbatch_size "
+           f"({cfg.device_train_microbatch_size}).")

@@ -1,0 +1,175 @@
+"""A run's save folder across attempts: what a rerun of the same command does, and what a resume must match.
+
+The decision (``plan_run``), made before anything is written:
+
+* ``--load_path=X``: load X (a checkpoint of this run or of another).
+* ``--save_overwrite``: start over; every artefact of the earlier run in the folder is deleted first.
+* a complete checkpoint in the folder and ``try_load_latest_save``: resume from the latest (``stepN`` folders only;
+  OLMo writes ``stepN-tmp`` and renames it when complete). Without ``try_load_latest_save`` the run is refused,
+  naming both options.
+* an earlier attempt that died before its first checkpoint (config.yaml, no checkpoint, record not finished):
+  start fresh in place, its leftovers deleted.
+* a finished run without a checkpoint: refused (rerunning it would silently replace its results).
+* otherwise a fresh run.
+
+Resuming compares the checkpoint's model with the run's (``check_resume_model``) and truncates metrics.jsonl to
+the restored step, so no step appears twice.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf as om
+from olmo.util import find_latest_checkpoint
+
+from .config import SiameseModelConfig, resolve_model_type
+from .records import RECORD_NAME
+from .runconfig import RunError, SiameseTrainConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["plan_run", "clear_run_folder", "resolve_run_model_type", "check_resume_model", "truncate_metrics",
+           "RUN_ARTEFACTS"]
+
+#: What a training run writes into its save folder; only these are deleted when a run starts over.
+RUN_ARTEFACTS = ("config.yaml", RECORD_NAME, "metrics.jsonl", "console.log", "train_data", "data-indices", "wandb",
+                 "step*", "latest*")
+
+
+def _is_local(path: Optional[str]) -> bool:
+    return path is not None and "://" not in str(path)
+
+
+def plan_run(cfg: SiameseTrainConfig) -> tuple[Optional[str], str]:
+    """(checkpoint to load or None, what happens: "load", "resume", "overwrite", "restart" or "fresh")."""
+    folder = Path(cfg.save_folder)
+    if cfg.load_path is not None:
+        inside = _is_local(cfg.load_path) and Path(cfg.load_path).resolve().parent == folder.resolve()
+        if cfg.save_overwrite and inside:
+            raise RunError(f"--save_overwrite would delete {cfg.load_path}, the checkpoint --load_path names; "
+                           "drop one of the two.")
+        return str(cfg.load_path), "load"
+    if cfg.save_overwrite:
+        return None, "overwrite"
+    latest = find_latest_checkpoint(folder) if folder.is_dir() else None
+    if latest is None and cfg.try_load_latest_save and cfg.remote_save_folder:
+        latest = find_latest_checkpoint(cfg.remote_save_folder)
+    if latest is not None:
+        if cfg.try_load_latest_save:
+            return str(latest), "resume"
+        raise RunError(f"{folder} holds the checkpoint {Path(str(latest)).name} of an earlier run: pass "
+                       "--try_load_latest_save to resume it, or --save_overwrite to start over (deletes it).")
+    if (folder / "config.yaml").is_file():
+        record = _read_json(folder / RECORD_NAME)
+        if record.get("status") == "finished":
+            raise RunError(f"{folder} holds a finished run (no checkpoint to resume): pass --save_overwrite to "
+                           "train it again, or use another save_folder.")
+        return None, "restart"
+    return None, "fresh"
+
+
+def clear_run_folder(folder: str | Path) -> list[str]:
+    """Delete the artefacts of an earlier run in ``folder`` (nothing else); return what was deleted."""
+    folder = Path(folder)
+    removed = []
+    for pattern in RUN_ARTEFACTS:
+        for path in sorted(folder.glob(pattern)):
+            if path.is_dir() and not path.is_symlink():
+                shutil.rmtree(path)
+            else:
+                path.unlink()
+            removed.append(path.name)
+    return removed
+
+
+def _read_json(path: Path) -> dict:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def checkpoint_model_type(load_path: str) -> Optional[str]:
+    cfg_path = Path(load_path) / "config.yaml"
+    if not cfg_path.is_file():
+        return None
+    raw = om.load(str(cfg_path))
+    return raw.get("model", {}).get("model_type")
+
+
+def resolve_run_model_type(cfg: SiameseTrainConfig, load_path: Optional[str]) -> tuple[str, str]:
+    """(MODEL_TYPE, where it came from) for this run; on resume the checkpoint's, a contradicting choice fails."""
+    chosen, source = resolve_model_type(cfg.model)
+    if load_path is None:
+        return chosen, source
+    saved = checkpoint_model_type(load_path)
+    if saved is None:
+        return chosen, source
+    if source != "default" and chosen != saved:
+        raise RunError(
+            f"MODEL_TYPE={chosen} (from {source}) contradicts the checkpoint {load_path}, which was trained as "
+            f"MODEL_TYPE={saved}; set MODEL_TYPE={saved} (or unset it) to resume, or use a new save_folder."
+        )
+    return saved, f"checkpoint {load_path}"
+
+
+#: Model fields that do not define the trained model: where and how it was first initialised, how attention is run.
+_RUNTIME_MODEL_FIELDS = {"init_device", "init_fn", "init_std", "init_cutoff_factor", "precision", "flash_attention",
+                         "model_type"}
+
+
+def _plain(value: Any) -> Any:
+    value = getattr(value, "value", value)  # enums compare by their config string
+    return list(value) if isinstance(value, (list, tuple)) else value
+
+
+def _override_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    return "null" if value is None else str(value)
+
+
+def check_resume_model(cfg: SiameseTrainConfig, load_path: str) -> None:
+    """Refuse, before any step, to resume a checkpoint whose model differs from this run's in any field that
+    defines it (sizes, norms, the variant knobs); MODEL_TYPE is settled by resolve_run_model_type. A checkpoint
+    written before a knob existed is compared with the knob's old meaning (config.LEGACY_KNOBS)."""
+    from .checkpoints import load_saved_config
+
+    saved_yaml = Path(load_path) / "config.yaml"
+    if not saved_yaml.is_file():
+        return
+    saved = load_saved_config(saved_yaml).model
+    changed = []
+    for f in dataclasses.fields(SiameseModelConfig):
+        if f.name in _RUNTIME_MODEL_FIELDS:
+            continue
+        old, new = _plain(getattr(saved, f.name)), _plain(getattr(cfg.model, f.name))
+        if old != new:
+            changed.append((f.name, old, new))
+    if changed:
+        what = "; ".join(f"model.{name} was {old!r}, now {new!r}" for name, old, new in changed)
+        fix = " ".join(f"--model.{name}={_override_value(old)}" for name, old, _ in changed)
+        raise RunError(
+            f"cannot resume {load_path}: it was trained as a different model ({what}); "
+            f"pass {fix} to resume it, or use a new save_folder."
+        )
+
+
+def truncate_metrics(path: Path, step: int) -> int:
+    """Drop the rows of metrics.jsonl after ``step`` (the restored checkpoint's), so a resumed run logs each step
+    once. Returns how many rows were dropped."""
+    if not path.is_file():
+        return 0
+    rows = path.read_text().splitlines()
+    kept = [row for row in rows if row.strip() and json.loads(row).get("step", 0) <= step]
+    if len(kept) != len(rows):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(row + "\n" for row in kept))
+        tmp.replace(path)
+    return len(rows) - len(kept)

@@ -1,0 +1,301 @@
+"""OLMo's Trainer with what this project adds, and the pieces around it: process group, model wrapping, optimizer.
+
+``SiameseTrainer`` keeps OLMo's training step and adds: one all-reduce of the loss so every rank runs the
+divergence guard on the same number, a metrics file, the run record, CPU-safe RNG state, and a close that works
+with the pinned wandb.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import random
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from olmo.config import DistributedStrategy, ShardedCheckpointerType
+from olmo.train import Trainer
+
+from .records import Diverged, StabilityMonitor, split_eval_metrics, write_record
+from .runconfig import RunError, SiameseTrainConfig
+
+log = logging.getLogger(__name__)
+
+__all__ = ["SiameseTrainer", "init_distributed", "cpu_adjustments", "wrap_model", "optimizer_param_groups",
+           "build_optimizer_with_coefficients"]
+
+
+class SiameseTrainer(Trainer):
+    """OLMo's Trainer plus a metrics file, the divergence guard, the run record; CPU-safe RNG state."""
+
+    last_eval_metrics: Dict[str, float] = {}
+    last_train_metrics: Dict[str, float] = {}
+    last_eval_step: Optional[int] = None
+    monitor: Optional[StabilityMonitor] = None
+    record_info: Optional[Dict[str, Any]] = None  # the run's fixed facts; None: no run record (unit tests)
+
+    # ---- stability ----------------------------------------------------------------------------------------------
+    def train_step(self, batch: Dict[str, Any], reduce_global_loss: bool = True) -> Dict[str, float]:
+        """OLMo's step on the local loss, then the global mean loss on every rank and the guard on it.
+
+        OLMo reduces the loss to rank 0 on logging steps only; here one all-reduce of one number per step gives
+        every rank the global mean (it replaces OLMo's reduce), so every rank takes the same decision. The
+        gradient norm is already global (computed from synchronised gradients). A local NaN raises in OLMo's
+        step on that rank only; it is turned into a NaN that the all-reduce spreads to every rank."""
+        try:
+            metrics = super().train_step(batch, reduce_global_loss=False)
+        except ValueError as err:
+            if "nan loss" not in str(err):
+                raise
+            metrics = {"train/CrossEntropyLoss": float("nan")}
+        except OverflowError:  # OLMo's exp(loss) for the perplexity metric, loss > 709 nats
+            metrics = {"train/CrossEntropyLoss": self.cur_train_loss}
+        loss = metrics["train/CrossEntropyLoss"]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            total = torch.tensor([loss], dtype=torch.float64, device=self.device)
+            dist.all_reduce(total)
+            loss = float(total) / dist.get_world_size()
+        self.cur_train_loss = loss
+        self.min_train_loss = min(self.min_train_loss, loss)
+        metrics["train/CrossEntropyLoss"] = loss
+        if "train/Perplexity" in metrics:
+            metrics["train/Perplexity"] = math.exp(min(loss, 700.0))
+        grad_norm = metrics.get("optim/total_grad_norm")
+        if self.monitor is not None:
+            try:
+                self.monitor.update(self.global_step, loss, grad_norm)
+            except Diverged as diverged:
+                log.warning("divergence guard: stopping at step %d: %s", diverged.step, diverged.reason)  # every rank
+                self.cur_train_loss = loss
+                self.write_metrics({"step": self.global_step, "tokens": self.global_train_tokens_seen, "loss": loss,
+                                    "grad_norm": grad_norm, "diverged": diverged.reason, "time": time.time()})
+                raise
+            metrics["stability/loss_spikes"] = self.monitor.spike_count
+        return metrics
+
+    # ---- the run record -----------------------------------------------------------------------------------------
+    def run_record(self, status: str, **extra: Any) -> Dict[str, Any]:
+        perplexity, downstream = split_eval_metrics(self.last_eval_metrics)
+        record = {
+            **(self.record_info or {}),
+            "status": status,
+            "step": self.global_step,
+            "tokens_seen": self.global_train_tokens_seen,
+            "max_steps": self.max_steps,
+            "token_budget": self.max_steps * self.tokens_per_batch,
+            "final_train_loss": self.cur_train_loss if math.isfinite(self.cur_train_loss) else None,
+            "loss_spikes": self.monitor.spike_count if self.monitor else 0,
+            "spikes": self.monitor.spikes if self.monitor else [],
+            "perplexity": perplexity,
+            "val_perplexity": next(iter(perplexity.values()), None),
+            "downstream": downstream,
+            "eval_step": self.last_eval_step,
+        }
+        record.update(extra)
+        return record
+
+    def save_record(self, status: str, **extra: Any) -> None:
+        from olmo.torch_util import get_global_rank
+
+        if self.record_info is not None and get_global_rank() == 0:
+            write_record(self.cfg.save_folder, self.run_record(status, **extra))
+
+    @property
+    def metrics_path(self) -> Path:
+        return Path(self.cfg.metrics_file or Path(self.cfg.save_folder) / "metrics.jsonl")
+
+    def write_metrics(self, record: Dict[str, Any]) -> None:
+        from olmo.torch_util import get_global_rank
+
+        if get_global_rank() != 0:
+            return
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        record = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
+        with open(self.metrics_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    def log_metrics_to_console(self, prefix: str, metrics: Dict[str, float]):
+        super().log_metrics_to_console(prefix, metrics)
+        if prefix.startswith("[step="):
+            self.last_train_metrics = dict(metrics)
+            self.write_metrics(
+                {
+                    "step": self.global_step,
+                    "tokens": self.global_train_tokens_seen,
+                    "loss": metrics.get("train/CrossEntropyLoss"),
+                    "lr": metrics.get("optim/learning_rate_group0"),
+                    "grad_norm": metrics.get("optim/total_grad_norm"),
+                    "tokens_per_second_per_device": metrics.get("throughput/device/tokens_per_second"),
+                    "loss_spikes": metrics.get("stability/loss_spikes"),
+                    "time": time.time(),
+                }
+            )
+
+    def eval(self) -> Dict[str, Any]:
+        metrics = super().eval()
+        self.last_eval_metrics = {k: float(v) for k, v in metrics.items()}
+        self.last_eval_step = self.global_step
+        self.write_metrics({"step": self.global_step, "tokens": self.global_train_tokens_seen, "eval": self.last_eval_metrics})
+        self.save_record("running")
+        return metrics
+
+    def close(self, exit_code: int = 0) -> None:
+        """OLMo's close calls ``wandb.finish(exit_code=..., quiet=True)``, and wandb >= 0.19 no longer takes
+        ``quiet``: finish the run here first, so OLMo's close finds no run."""
+        import wandb
+
+        if wandb.run is not None:
+            wandb.finish(exit_code=exit_code)
+        super().close(exit_code)
+
+    def trainer_state_dict(self) -> Dict[str, Any]:
+        if torch.cuda.is_available():
+            return super().trainer_state_dict()
+        real = torch.cuda.get_rng_state
+        torch.cuda.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)  # type: ignore[assignment]
+        try:
+            return super().trainer_state_dict()
+        finally:
+            torch.cuda.get_rng_state = real  # type: ignore[assignment]
+
+    def restore_rng_state(self, rng_state: Dict[str, Any]) -> None:
+        random.setstate(rng_state["python"])
+        np.random.set_state(rng_state["numpy"])
+        torch.set_rng_state(rng_state["torch"])
+        if torch.cuda.is_available() and rng_state.get("cuda") is not None and rng_state["cuda"].numel():
+            torch.cuda.set_rng_state(rng_state["cuda"])
+
+
+# ---- distributed set-up -------------------------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed() -> torch.device:
+    """Join torchrun's process group (NCCL on GPUs, gloo on CPUs); a plain ``python`` launch is a group of one."""
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", GROUP_RANK="0")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    if torch.cuda.is_available():
+        local_rank = int(os.environ["LOCAL_RANK"])
+        torch.cuda.set_device(f"cuda:{local_rank}")
+        device, backend = torch.device("cuda"), "nccl"
+    else:
+        device, backend = torch.device("cpu"), "gloo"
+        if "OMP_NUM_THREADS" not in os.environ:
+            # ai2-olmo on CPU: small models ran far slower with 2 intra-op threads than with 1 (docs/training.md).
+            torch.set_num_threads(1)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
+    return device
+
+
+def cpu_adjustments(cfg: SiameseTrainConfig) -> None:
+    """What ai2-olmo 0.6.0 needs to train on a CPU with torch 2.13 (each item is in docs/training.md)."""
+    if cfg.distributed_strategy == DistributedStrategy.fsdp:
+        if cfg.sharded_checkpointer != ShardedCheckpointerType.torch_legacy:
+            log.warning("CPU: sharded_checkpointer %s does not work here; using torch_legacy", cfg.sharded_checkpointer)
+            cfg.sharded_checkpointer = ShardedCheckpointerType.torch_legacy
+        if cfg.save_interval_unsharded is not None:
+            log.warning("CPU: unsharded FSDP checkpoints crash torch with 2+ processes; saving sharded ones only")
+            cfg.save_interval_unsharded = None
+        if cfg.force_save_unsharded:
+            raise RunError("force_save_unsharded: unsharded FSDP checkpoints crash torch on CPU with 2+ processes; "
+                           "unshard later with scripts/analyze.py, or run it on GPUs.")
+    if cfg.precision in ("amp_bf16", "amp_fp16") and cfg.distributed_strategy == DistributedStrategy.ddp:
+        log.warning("CPU: OLMo's autocast is CUDA-only; DDP on CPU trains in fp32")
+
+
+# ---- model and optimizer ---------------------------------------------------------------------------------------
+def optimizer_param_groups(cfg: SiameseTrainConfig, model: torch.nn.Module) -> List[Dict[str, Any]]:
+    """OLMo's parameter groups (its ``get_param_groups``: decay on Linear weights, none on biases, norms and
+    embeddings unless the config says so) plus the topologies' free coefficients, which OLMo's grouping does not
+    know (hybrid_pre's gamma, hc's alpha / beta, mhc's projections and biases). A coefficient goes to the
+    weight-decay group when its module lists it in ``weight_decay_params`` (hc's dynamic projections, HC paper
+    section 4), otherwise to the no-decay group: mixing weights initialised away from zero, treated like norm
+    scales."""
+    import torch.nn as nn
+    from olmo import optim as olmo_optim
+    from olmo.model import LayerNormBase
+
+    known = (nn.Linear, nn.Embedding, nn.LayerNorm, LayerNormBase)
+    coefficients, decayed = {}, set()
+    for mn, m in model.named_modules():
+        if isinstance(m, known):
+            continue
+        for pn, p in m.named_parameters(recurse=False):
+            if p.requires_grad:
+                name = f"{mn}.{pn}" if mn else pn
+                coefficients[name] = p
+                if pn in getattr(m, "weight_decay_params", ()):
+                    decayed.add(name)
+    for p in coefficients.values():  # hidden from OLMo's grouping, which refuses parameters it cannot place
+        p.requires_grad_(False)
+    try:
+        groups = olmo_optim.get_param_groups(cfg, model)
+    finally:
+        for p in coefficients.values():
+            p.requires_grad_(True)
+    for decay in (False, True):
+        names = sorted(n for n in coefficients if (n in decayed) == decay)
+        if not names:
+            continue
+        group = next((g for g in groups if (g.get("weight_decay") != 0.0) == decay), None)
+        if group is None:
+            template = {k: v for k, v in groups[0].items() if k not in ("params", "param_names", "weight_decay")}
+            group = {**template, "params": [], "param_names": [], **({} if decay else {"weight_decay": 0.0})}
+            groups.append(group)
+        group["params"] = group["params"] + [coefficients[n] for n in names]
+        group["param_names"] = group["param_names"] + names
+    return groups
+
+
+def build_optimizer_with_coefficients(cfg: SiameseTrainConfig, model: torch.nn.Module):
+    """The optimizer OLMo's ``build_optimizer`` makes, over ``optimizer_param_groups``."""
+    from olmo.config import OptimizerType
+    from olmo.optim import AdamW, LionW
+
+    o = cfg.optimizer
+    common = dict(lr=o.learning_rate, betas=o.betas, weight_decay=o.weight_decay,
+                  record_update_metrics=o.record_update_metrics, selective_updates=o.selective_updates)
+    groups = optimizer_param_groups(cfg, model)
+    if o.name == OptimizerType.adamw:
+        return AdamW(groups, eps=o.eps, **common)
+    if o.name == OptimizerType.lionw:
+        return LionW(groups, **common)
+    raise RunError(f"optimizer.name {o.name} is not supported; use adamw or lionw.")
+
+
+def wrap_model(cfg: SiameseTrainConfig, olmo_model, device: torch.device, local_rank: int):
+    if cfg.distributed_strategy == DistributedStrategy.ddp:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        find_unused = bool(cfg.ddp and cfg.ddp.find_unused_params)
+        return DDP(olmo_model, find_unused_parameters=find_unused)
+    if cfg.distributed_strategy == DistributedStrategy.fsdp:
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+        return FSDP(
+            olmo_model,
+            sharding_strategy=cfg.fsdp.sharding_strategy,
+            mixed_precision=cfg.fsdp_precision,
+            auto_wrap_policy=olmo_model.get_fsdp_wrap_policy(cfg.fsdp.wrapping_strategy),
+            use_orig_params=cfg.fsdp.use_orig_params,
+            limit_all_gathers=True,
+            device_id=torch.device("cpu") if device.type == "cpu" else local_rank,  # an int fails on CPU
+            sync_module_states=device.type == "cuda",  # rank 0's init everywhere (CPU ranks seed alike)
+        )
+    raise RunError(f"distributed_strategy must be ddp or fsdp (got {cfg.distributed_strategy}).")
+
+
