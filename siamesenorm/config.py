@@ -84,6 +84,22 @@ LEGACY_KNOBS: dict[str, object] = {
     "mhc_sinkhorn_order": "rows_first",
 }
 
+#: Which MODEL_TYPEs read each knob (the run record lists a changed knob only for these).
+KNOB_OWNERS: dict[str, tuple[str, ...]] = {
+    "hc_expansion_rate": ("hc",),
+    "hc_scale_output_init": ("hc",),
+    "hc_decay_dynamic": ("hc",),
+    "siamese_depth_scaling": ("post_pre", "hybrid_pre"),
+    "siamese_depth_scaling_form": ("post_pre", "hybrid_pre"),
+    "siamese_normalized_input": ("post_pre", "hybrid_pre"),
+    "post_pre_x_norm_position": ("post_pre",),
+    "post_norm_position": ("post",),
+    "mixln_post_fraction": ("mixln",),
+    "mhc_expansion_rate": ("mhc",),
+    "mhc_sinkhorn_iterations": ("mhc",),
+    "mhc_sinkhorn_order": ("mhc",),
+}
+
 _TWO_STREAM = ("post_pre", "hybrid_pre")
 _HYBRID_ATTENTION = ("hybrid", "hybrid_pre", "hybrid_star")
 #: Types trained with the configs/OLMo-1B-hybrid-* recipes (HybridNorm's init and warmup); the rest use OLMo-1B-*.

@@ -23,7 +23,7 @@ from .config import SiameseModelConfig
 from .records import StabilityConfig
 
 __all__ = ["SiameseTrainConfig", "RunError", "load_config", "expand_paths", "check_data_paths", "validate_run",
-           "check_token_files"]
+           "check_token_files", "unigram_loss"]
 
 
 @dataclass
@@ -165,6 +165,21 @@ def check_token_files(paths: List[str], memmap_dtype: str, vocab_size: int, veri
                            "tokenized with another tokenizer, or set model.vocab_size (and embedding_size) above it.")
 
 
+def unigram_loss(paths: List[str], memmap_dtype: str, vocab_size: int, max_tokens: int = 2**25) -> Optional[float]:
+    """Entropy in nats of the token frequencies of ``paths`` (at most ``max_tokens`` tokens, spread evenly over the
+    files): the loss of the best model that ignores context, the plateau a non-learning run sits on."""
+    local = [p for p in paths if "://" not in p]
+    if not local:
+        return None
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    per_file = max(1, max_tokens // len(local))
+    for name in local:
+        tokens = np.memmap(name, dtype=memmap_dtype, mode="r")[:per_file]
+        counts += np.bincount(np.asarray(tokens, dtype=np.int64), minlength=vocab_size)[:vocab_size]
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
+
+
 def _check(condition: bool, message: str) -> None:
     if not condition:
         raise RunError(message)
@@ -186,6 +201,8 @@ def validate_run(cfg: SiameseTrainConfig) -> None:
     _check(s.patience >= 1, f"stability.patience must be >= 1 (got {s.patience}).")
     _check(s.spike_window >= 1, f"stability.spike_window must be >= 1 (got {s.spike_window}).")
     _check(s.spike_factor > 1.0, f"stability.spike_factor must be > 1 (got {s.spike_factor}).")
+    _check(s.grad_spike_factor > 1.0, f"stability.grad_spike_factor must be > 1 (got {s.grad_spike_factor}).")
+    _check(s.converge_window >= 1, f"stability.converge_window must be >= 1 (got {s.converge_window}).")
     _check(cfg.global_train_batch_size >= 1 and cfg.device_train_microbatch_size >= 1,
            "global_train_batch_size and device_train_microbatch_size must be >= 1.")
     try:

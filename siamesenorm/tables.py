@@ -9,7 +9,12 @@ Cell rules:
     (status running or stopped), its values are its latest;
   * bold: the best value of each column within a setting (lowest PPL, highest accuracy), ties all bold,
     comparing the values as printed; diverged and missing cells never count. CSV has no bold.
-A setting is (learning rate, token budget); several records of the same method and setting: the newest is used.
+A setting is (recipe, learning rate, token budget). The recipe is the record's ``recipe_hash`` (the config without
+seed, learning rate, MODEL_TYPE, its knobs and the initialisation), so runs of different experiments are never
+merged; when the records hold more than one recipe, each setting's label names its recipe (config file and hash).
+Several records of the same method and setting with different seeds: the cell shows the mean and the sample
+standard deviation over the seeds that did not diverge, "± s (n=k)", and how many diverged; the same seed twice:
+the newest record is used.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from __future__ import annotations
 import csv
 import io
 import math
+import statistics
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .records import DOWNSTREAM_LABELS
@@ -123,24 +130,66 @@ def _row(record: Dict, setting: str) -> Row:
     return Row(setting, method, values, texts, False)
 
 
+def _recipe_name(record: Dict) -> str:
+    stem = Path(str(record.get("config") or "?")).stem
+    return f"{stem} [{record.get('recipe_hash', '?')[:6]}]"
+
+
+def _aggregate(records: List[Dict], setting: str) -> Row:
+    """One row from the seeds of one method in one setting (a single record: its own row)."""
+    if len(records) == 1:
+        return _row(records[0], setting)
+    rows = [_row(r, setting) for r in records]
+    alive = [r for r in rows if not r.diverged]
+    if not alive:
+        return rows[0]
+    values, texts = [], []
+    for j in range(len(COLUMNS)):
+        column = [r.values[j] for r in alive if r.values[j] is not None]
+        if not column:
+            values.append(None)
+            texts.append(MISSING)
+            continue
+        mean = sum(column) / len(column)
+        spread = statistics.stdev(column) if len(column) > 1 else 0.0
+        digits = 2 if j == 0 else 1
+        values.append(round(mean, digits))
+        texts.append(f"{mean:.{digits}f} ± {spread:.{digits}f}" + (f" (n={len(column)})" if j == 0 else ""))
+    finished = [rec for rec, row in zip(records, rows) if not row.diverged]
+    if texts[0] != MISSING:
+        texts[0] += SPIKE if any(rec.get("loss_spikes", 0) > 0 for rec in finished) else ""
+        texts[0] += UNFINISHED if any(rec.get("status") in ("running", "stopped") for rec in finished) else ""
+    diverged = len(rows) - len(alive)
+    if diverged:
+        texts[0] += f", {diverged}/{len(rows)} diverge"
+    return Row(setting, rows[0].method, values, texts, False)
+
+
 def build_table(records: Iterable[Dict], warn=sys.stderr) -> Table:
-    newest: Dict[Tuple[float, Optional[int], str], Dict] = {}
+    newest: Dict[Tuple, Dict] = {}
     for rec in records:
-        key = (float(rec["learning_rate"]), rec.get("token_budget"), method_name(rec))
+        key = (rec.get("recipe_hash"), float(rec["learning_rate"]), rec.get("token_budget"), method_name(rec),
+               rec.get("seed"))
         if key in newest:
             older, newer = sorted((newest[key], rec), key=lambda r: r.get("updated", 0))
             if warn is not None:
-                print(f"make_tables: two runs of {key[2]} at {setting_label(*key[:2])}: using "
+                print(f"make_tables: two runs of {key[3]} at {setting_label(*key[1:3])} (seed {key[4]}): using "
                       f"{newer.get('path', '?')}, not {older.get('path', '?')}", file=warn)
             rec = newer
         newest[key] = rec
-    setting_keys = sorted({(k[1] or 0, k[0]) for k in newest})  # by token budget, then learning rate
+    several_recipes = len({k[0] for k in newest}) > 1
+    setting_keys = sorted({(k[2] or 0, k[1], str(k[0])) for k in newest})  # by token budget, learning rate, recipe
     settings, rows = [], []
-    for tokens, lr in setting_keys:
+    for tokens, lr, recipe in setting_keys:
+        group = [r for k, r in newest.items() if k[1] == lr and (k[2] or 0) == tokens and str(k[0]) == recipe]
         label = setting_label(lr, tokens or None)
+        if several_recipes:
+            label += f", {_recipe_name(group[0])}"
         settings.append(label)
-        group = [r for k, r in newest.items() if k[0] == lr and (k[1] or 0) == tokens]
-        rows.extend(_row(r, label) for r in sorted(group, key=_sort_key))
+        by_method: Dict[str, List[Dict]] = {}
+        for r in sorted(group, key=_sort_key):
+            by_method.setdefault(method_name(r), []).append(r)
+        rows.extend(_aggregate(members, label) for members in by_method.values())
     best: Dict[Tuple[int, int], bool] = {}
     table = Table(settings, rows, best)
     for label in settings:
@@ -202,7 +251,8 @@ def to_latex(table: Table) -> str:
 
 
 LEGEND = (
-    'diverge: the divergence guard stopped the run; *: loss spikes during training; †: not finished (latest values); '
+    'diverge: the divergence guard stopped the run (diverged or failed to converge); *: loss spikes during training; '
+    "†: not finished (latest values); a ± b (n=k): mean and standard deviation over k seeds; "
     "bold: best in its setting. PPL: validation perplexity; accuracies in %."
 )
 

@@ -28,7 +28,7 @@ from omegaconf import OmegaConf as om
 from .checkpoints import allow_checkpoint_types, refuse_unsafe
 from .config import validate_model_config
 from .model import build_model, num_params_from_config
-from .records import EXIT_DIVERGED, RECORD_NAME, Diverged, StabilityMonitor, config_hash, variant_knobs
+from .records import EXIT_DIVERGED, RECORD_NAME, Diverged, StabilityMonitor, config_hash, recipe_hash, variant_knobs
 from .runconfig import (
     RunError,
     SiameseTrainConfig,
@@ -37,6 +37,7 @@ from .runconfig import (
     check_token_files,
     expand_paths,
     load_config,
+    unigram_loss,
     validate_run,
 )
 from .runfolder import check_resume_model, clear_run_folder, plan_run, resolve_run_model_type, truncate_metrics
@@ -240,11 +241,15 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
         log.info("unsharded checkpoint saved to %s", path)
     if cfg.stop_at is None and cfg.stop_after is None:
         cfg.stop_at = trainer.max_steps  # OLMo would otherwise run 10 steps past max_duration
-    trainer.monitor = StabilityMonitor(cfg.stability, cfg.model.vocab_size, warmup_steps(cfg))
+    unigram = None
+    if cfg.stability.unigram_loss is None and cfg.data.paths:
+        unigram = unigram_loss([str(p) for p in cfg.data.paths], str(cfg.data.memmap_dtype), cfg.model.vocab_size)
+    trainer.monitor = StabilityMonitor(cfg.stability, cfg.model.vocab_size, warmup_steps(cfg), unigram)
     trainer.record_info = record_info(cfg, config_path, model_type, source, trainer.model.num_params(),
                                       trainer.monitor)
     if action == "resume" and previous:
-        trainer.monitor.restore([s for s in previous.get("spikes", []) if s["step"] <= trainer.global_step])
+        trainer.monitor.restore([s for s in previous.get("spikes", []) if s["step"] <= trainer.global_step],
+                                [s for s in previous.get("grad_spikes", []) if s["step"] <= trainer.global_step])
         trainer.record_info["attempts"] = previous.get("attempts", []) + [
             {"resumed_at_step": trainer.global_step, "previous_status": previous.get("status"),
              "previous_error": previous.get("error")}
@@ -254,7 +259,8 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
     try:
         trainer.fit()
     except Diverged as diverged:
-        trainer.save_record("diverged", diverged_at_step=diverged.step, divergence=diverged.reason)
+        trainer.save_record("diverged", diverged_at_step=diverged.step, divergence=diverged.reason,
+                            divergence_kind=diverged.kind)
         if get_global_rank() == 0:
             print(f"diverged at step {diverged.step}: {diverged.reason}; record: {record_path}", flush=True)
         return EXIT_DIVERGED
@@ -286,8 +292,10 @@ def record_info(cfg: SiameseTrainConfig, config_path: str, model_type: str, sour
         "save_folder": str(cfg.save_folder),
         "model_type": model_type,
         "model_type_source": source,
-        "variant_knobs": variant_knobs(cfg.model),
+        "variant_knobs": variant_knobs(cfg.model, model_type),
         "config_hash": config_hash(cfg),
+        "recipe_hash": recipe_hash(cfg),
+        "seed": cfg.seed,
         "learning_rate": float(cfg.optimizer.learning_rate),
         "max_duration": str(cfg.max_duration),
         "parameters": n_params,
@@ -296,6 +304,8 @@ def record_info(cfg: SiameseTrainConfig, config_path: str, model_type: str, sour
             **dataclasses.asdict(cfg.stability),
             "max_loss": monitor.max_loss,
             "grace_steps": monitor.grace_steps,
+            "unigram_loss": monitor.unigram_loss,
+            "converge_steps": monitor.converge_steps,
         },
     }
 

@@ -79,6 +79,7 @@ class SiameseTrainer(Trainer):
                                     "grad_norm": grad_norm, "diverged": diverged.reason, "time": time.time()})
                 raise
             metrics["stability/loss_spikes"] = self.monitor.spike_count
+            metrics["stability/grad_spikes"] = len(self.monitor.grad_spikes)
         return metrics
 
     # ---- the run record -----------------------------------------------------------------------------------------
@@ -94,6 +95,7 @@ class SiameseTrainer(Trainer):
             "final_train_loss": self.cur_train_loss if math.isfinite(self.cur_train_loss) else None,
             "loss_spikes": self.monitor.spike_count if self.monitor else 0,
             "spikes": self.monitor.spikes if self.monitor else [],
+            "grad_spikes": self.monitor.grad_spikes if self.monitor else [],
             "perplexity": perplexity,
             "val_perplexity": next(iter(perplexity.values()), None),
             "downstream": downstream,
@@ -135,6 +137,7 @@ class SiameseTrainer(Trainer):
                     "grad_norm": metrics.get("optim/total_grad_norm"),
                     "tokens_per_second_per_device": metrics.get("throughput/device/tokens_per_second"),
                     "loss_spikes": metrics.get("stability/loss_spikes"),
+                    "grad_spikes": metrics.get("stability/grad_spikes"),
                     "time": time.time(),
                 }
             )

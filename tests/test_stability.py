@@ -126,3 +126,39 @@ def test_two_process_divergence_stops_every_rank_and_launch_maps_the_code(tmp_pa
     codes = re.findall(r"exitcode  : (-?\d+)", proc.stderr)
     assert "3" in codes and set(codes) <= {"3", "-15"}, codes
     assert json.loads((run / "run.json").read_text())["world_size"] == 2
+
+
+# ---- failure to converge, spikes right after warmup, gradient-norm spikes (synthetic traces) ----------------------
+def test_run_stuck_on_the_unigram_plateau_fails_to_converge():
+    m = StabilityMonitor(StabilityConfig(converge_steps=30), vocab_size=2048, warmup_steps=10, unigram_loss=6.2)
+    assert m.max_loss > 7.0  # the old bound alone never fires on a 6.2 plateau
+    with pytest.raises(Diverged) as err:
+        feed(m, [7.6 - 0.1 * i for i in range(14)] + [6.21] * 16)
+    assert err.value.step == 30 and err.value.kind == "not_converged" and "unigram loss 6.2000" in err.value.reason
+
+
+def test_run_that_learns_past_the_unigram_level_converges():
+    m = StabilityMonitor(StabilityConfig(converge_steps=30), vocab_size=2048, warmup_steps=10, unigram_loss=6.2)
+    feed(m, [7.6 - 0.1 * i for i in range(30)] + [4.0] * 10)  # mean of steps 11-30 is 5.15
+    assert m.spike_count == 0
+
+
+def test_default_convergence_budget_is_stated_from_the_warmup():
+    assert StabilityMonitor(StabilityConfig(), 64, warmup_steps=100).converge_steps == 200
+    assert StabilityMonitor(StabilityConfig(), 64, warmup_steps=10).converge_steps == 100
+
+
+def test_spike_just_after_warmup_is_counted():
+    """Warmup losses (falling from 9) do not enter the baseline, so a +30% excursion right after it is a spike."""
+    m = monitor(max_loss=100.0, spike_window=5, grace_steps=6)
+    feed(m, [9.0, 8.0, 7.0, 6.0, 5.0, 4.0] + [3.0] * 5 + [3.9] + [3.0] * 3)
+    assert [s["step"] for s in m.spikes] == [12]
+
+
+def test_gradient_norm_spikes_are_counted_apart_from_loss_spikes():
+    m = monitor(max_loss=100.0)
+    for step in range(1, 40):
+        grad = 26.8 if step in (20, 21, 30) else 0.3
+        m.update(step, 3.0, grad)
+    assert [s["step"] for s in m.grad_spikes] == [20, 30] and m.spike_count == 0
+    assert m.grad_spikes[0]["grad_norm"] == 26.8 and m.grad_spikes[0]["baseline"] == 0.3

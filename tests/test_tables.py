@@ -112,3 +112,26 @@ def test_no_records_says_where_they_come_from(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tables.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "save_folder" in proc.stderr
+
+
+def test_different_recipes_are_never_merged_and_seeds_are_aggregated():
+    def r(model_type, ppl, recipe, seed, config, status="finished", spikes=0):
+        return {**rec(model_type, 1e-2, ppl, status=status, spikes=spikes, tokens=4_096_000), "recipe_hash": recipe,
+                "seed": seed, "config": config}
+
+    records = [
+        r("pre", 60.0, "aaaaaa111111", 1, "configs/study-cpu.yaml"),
+        r("pre", 62.0, "aaaaaa111111", 2, "configs/study-cpu.yaml"),
+        r("pre", 64.0, "aaaaaa111111", 3, "configs/study-cpu.yaml", spikes=1),
+        r("hybrid_pre", 50.0, "aaaaaa111111", 1, "configs/study-cpu.yaml"),
+        r("hybrid_pre", 52.0, "aaaaaa111111", 2, "configs/study-cpu.yaml"),
+        r("hybrid_pre", 99.0, "aaaaaa111111", 3, "configs/study-cpu.yaml", status="diverged"),
+        r("pre", 30.0, "bbbbbb222222", 1, "configs/tiny-cpu.yaml"),  # same lr and budget, another experiment
+    ]
+    table = build_table(records, warn=None)
+    assert table.settings == ["lr 1e-2, 4.1M tokens, study-cpu [aaaaaa]", "lr 1e-2, 4.1M tokens, tiny-cpu [bbbbbb]"]
+    study = {row.method: row.texts[0] for _, row in table.rows_of(table.settings[0])}
+    assert study == {"Pre-Norm": "62.00 ± 2.00 (n=3)*", "SiameseNorm": "51.00 ± 1.41 (n=2), 1/3 diverge"}
+    assert [row.texts[0] for _, row in table.rows_of(table.settings[1])] == ["30.00"]
+    best = [table.rows[i].method for (i, j) in table.best if j == 0]
+    assert sorted(best) == ["Pre-Norm", "SiameseNorm"]  # one best per setting: 51.00 in the study, 30.00 alone

@@ -1,0 +1,174 @@
+"""A sweep of methods x learning rates x seeds over one recipe, run a few processes at a time, resumable across
+sessions, with the analyses that need a checkpoint computed right after each run so checkpoints need not be kept.
+
+A plan (YAML, e.g. configs/study-sweep.yaml)::
+
+    recipe: configs/study-cpu.yaml     # the recipe every cell trains
+    runs: runs/study                   # checkpoints and full logs (not committed)
+    results: results/study-cpu         # what is kept per cell (committed): run.json, metrics.jsonl, analyses
+    overrides: []                      # --key=value added to every cell
+    groups:                            # cells = the product of each group's lists
+      - {methods: [pre, hybrid_pre], learning_rates: [1e-2, 1e-1], seeds: [1]}
+      - {methods: [hybrid_pre], learning_rates: [1e-2], seeds: [1], knobs: {siamese_depth_scaling: false}}
+
+A cell is done when ``{results}/{cell}/run.json`` says finished or diverged (both are final results); any other
+cell is (re)started with the same command, which resumes from its latest checkpoint (``try_load_latest_save``).
+Each finished cell gets ``analysis.json`` (hidden-state magnitudes, stream ratios, fusion weights and logit lens,
+the depth probe: each tool's result, or why it does not apply), computed from its last checkpoint on the
+validation split; then the checkpoints are deleted unless ``--keep-checkpoints``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from omegaconf import OmegaConf as om
+
+from .records import EXIT_DIVERGED, RECORD_NAME
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[1]
+FINAL = ("finished", "diverged")
+KEPT = (RECORD_NAME, "metrics.jsonl", "config.yaml")
+
+
+@dataclass(frozen=True)
+class Cell:
+    model_type: str
+    learning_rate: float
+    seed: int
+    knobs: tuple = ()
+
+    @property
+    def name(self) -> str:
+        knobs = "".join(f"-{k}={_fmt(v)}" for k, v in self.knobs)
+        return f"{self.model_type}{knobs}-lr{_fmt(self.learning_rate)}-s{self.seed}"
+
+    def overrides(self) -> List[str]:
+        return [f"--optimizer.learning_rate={self.learning_rate}", f"--seed={self.seed}"] + [
+            f"--model.{k}={_fmt(v)}" for k, v in self.knobs
+        ]
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+@dataclass
+class Plan:
+    recipe: str
+    runs: str
+    results: str
+    cells: List[Cell]
+    overrides: List[str] = field(default_factory=list)
+    analysis_sequences: int = 32
+    analysis_tokens: Optional[str] = None  # token files for the analyses; None: the recipe's lm evaluator's
+
+
+def load_plan(path: str | Path) -> Plan:
+    raw = om.to_container(om.load(str(path)))
+    cells: List[Cell] = []
+    for group in raw["groups"]:
+        knobs = tuple(sorted((group.get("knobs") or {}).items()))
+        for mt, lr, seed in itertools.product(group["methods"], group["learning_rates"], group.get("seeds", [1])):
+            cell = Cell(mt, float(lr), int(seed), knobs)
+            if cell not in cells:
+                cells.append(cell)
+    return Plan(raw["recipe"], raw["runs"], raw["results"], cells, list(raw.get("overrides") or []),
+                int(raw.get("analysis_sequences", 32)), raw.get("analysis_tokens"))
+
+
+def status(plan: Plan, cell: Cell) -> Optional[str]:
+    path = Path(plan.results) / cell.name / RECORD_NAME
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text()).get("status")
+
+
+def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
+    """Train one cell (resuming if it was cut off), keep its results, analyse it; returns its final status."""
+    run_dir = Path(plan.runs) / cell.name
+    out = Path(plan.results) / cell.name
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), plan.recipe, f"--save_folder={run_dir}",
+           "--try_load_latest_save", *plan.overrides, *cell.overrides()]
+    env = {**os.environ, "MODEL_TYPE": cell.model_type, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "console.log", "a") as console:
+        code = subprocess.call(cmd, env=env, stdout=console, stderr=subprocess.STDOUT)
+    record_path = run_dir / RECORD_NAME
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    if code not in (0, EXIT_DIVERGED) or record.get("status") not in FINAL:
+        raise RuntimeError(f"{cell.name}: training exited {code} (status {record.get('status')}); see "
+                           f"{run_dir / 'console.log'}")
+    out.mkdir(parents=True, exist_ok=True)
+    if record["status"] == "finished":
+        analyses = analyse(run_dir, plan.analysis_sequences, plan.analysis_tokens)
+        (out / "analysis.json").write_text(json.dumps(analyses, indent=1) + "\n")
+    for name in KEPT:  # the record last: its presence marks the cell done
+        if name != RECORD_NAME and (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, out / name)
+    shutil.copy2(record_path, out / RECORD_NAME)
+    if not keep_checkpoints:
+        for path in list(run_dir.glob("step*")) + list(run_dir.glob("latest*")):
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    return record["status"]
+
+
+def analyse(run_dir: Path, max_sequences: int, tokens: Optional[str] = None) -> Dict:
+    """Every checkpoint analysis of siamesenorm.analysis on the run's last checkpoint and validation split."""
+    from . import analysis
+
+    model, cfg = analysis.load_model(run_dir)
+    batch = analysis.eval_tokens(cfg, tokens=tokens, max_sequences=max_sequences)
+    tools = {
+        "magnitudes": lambda: analysis.hidden_magnitudes(model, batch),
+        "stream_ratios": lambda: analysis.stream_ratios(model),
+        "lens": lambda: analysis.fusion_and_lens(model, batch),
+        "depth": lambda: analysis.depth_probe(model, batch),
+    }
+    results: Dict = {"eval_sequences": int(batch.shape[0])}
+    for name, tool in tools.items():
+        try:
+            results[name] = {"applies": True, **tool()}
+        except analysis.NotApplicable as why:
+            results[name] = {"applies": False, "reason": str(why)}
+    return results
+
+
+def run_plan(plan: Plan, parallel: int = 2, only: Optional[List[str]] = None, keep_checkpoints: bool = False,
+             echo=print) -> Dict[str, str]:
+    """Run every cell not done yet, ``parallel`` at a time; returns {cell: final status or error}."""
+    todo = [c for c in plan.cells if status(plan, c) not in FINAL and (not only or c.name in only)]
+    done = len(plan.cells) - len([c for c in plan.cells if status(plan, c) not in FINAL])
+    echo(f"sweep: {len(plan.cells)} cells, {done} done, {len(todo)} to run, {parallel} at a time")
+    outcomes: Dict[str, str] = {}
+    started = time.time()
+
+    def one(cell: Cell) -> None:
+        t0 = time.time()
+        try:
+            outcomes[cell.name] = run_cell(plan, cell, keep_checkpoints)
+        except Exception as err:  # a failed cell is reported; the others go on
+            outcomes[cell.name] = f"error: {err}"
+        echo(f"[{len(outcomes)}/{len(todo)}] {cell.name}: {outcomes[cell.name]} ({time.time() - t0:.0f} s; "
+             f"{(time.time() - started) / 60:.1f} min in all)")
+
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        list(pool.map(one, todo))
+    return outcomes

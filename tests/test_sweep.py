@@ -1,0 +1,39 @@
+"""The sweep driver on two tiny cells: runs them, keeps results and analyses, drops checkpoints, skips done cells."""
+
+import json
+import subprocess
+import sys
+
+from test_training import ROOT, SMALL, TINY, learnable_tokens
+
+from siamesenorm.sweep import load_plan, status
+
+
+def test_sweep_runs_two_cells_then_skips_them(tmp_path):
+    data = learnable_tokens(tmp_path / "train.npy")
+    val = learnable_tokens(tmp_path / "val.npy", seed=1)
+    plan = tmp_path / "plan.yaml"
+    overrides = [*SMALL, f"--data.paths=[{data}]", "--max_duration=6", "--save_interval_unsharded=3"]
+    plan.write_text(json.dumps({
+        "recipe": str(TINY), "runs": str(tmp_path / "runs"), "results": str(tmp_path / "results"),
+        "overrides": overrides, "analysis_sequences": 4, "analysis_tokens": str(val),
+        "groups": [{"methods": ["pre", "hybrid_pre"], "learning_rates": [1e-2], "seeds": [1]}],
+    }))
+    cmd = [sys.executable, str(ROOT / "scripts" / "sweep.py"), str(plan)]
+    first = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout + first.stderr[-3000:]
+    assert "2 cells, 0 done, 2 to run" in first.stdout
+    loaded = load_plan(plan)
+    assert [c.name for c in loaded.cells] == ["pre-lr0.01-s1", "hybrid_pre-lr0.01-s1"]
+    for cell in loaded.cells:
+        assert status(loaded, cell) == "finished"
+        out = tmp_path / "results" / cell.name
+        record = json.loads((out / "run.json").read_text())
+        assert record["model_type"] == cell.model_type and record["learning_rate"] == 1e-2 and record["seed"] == 1
+        analyses = json.loads((out / "analysis.json").read_text())
+        assert analyses["magnitudes"]["applies"] and analyses["depth"]["applies"]
+        assert analyses["lens"]["applies"] == (cell.model_type == "hybrid_pre")
+        assert len((out / "metrics.jsonl").read_text().splitlines()) >= 6
+        assert not list((tmp_path / "runs" / cell.name).glob("step*"))  # checkpoints dropped after analysis
+    second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0 and "2 cells, 2 done, 0 to run" in second.stdout
