@@ -4,8 +4,11 @@ The divergence guard, checked after every optimizer step on the global loss and 
   * a non-finite loss or gradient norm stops the run at that step (Adam's state is poisoned; it cannot recover);
   * after ``grace_steps`` (default: the scheduler's warmup), a loss above ``max_loss`` (default ln(vocab_size), the
     loss of a uniform guess) for ``patience`` consecutive steps stops the run at the last of them;
-  * failure to converge: at step ``converge_steps`` (default: max(2 x grace_steps, 100)), if the mean loss of the
-    last ``converge_window`` (20) steps is not below ``unigram_loss - converge_margin`` (0.1 nats), the run stops.
+  * failure to converge: at step ``converge_steps`` (default: the run's last step, i.e. the whole token budget), if
+    the mean loss of the last ``converge_window`` (20) steps is not below ``unigram_loss - converge_margin`` (0.1
+    nats), the run stops there and counts as failed. An earlier ``converge_steps`` saves compute on dead runs but
+    can cut off a run that leaves the plateau late (the tiny recipe's SiameseNorm at lr 0.1 sat at loss 6.20 for
+    100 steps, then reached 5.0; docs/training.md).
     ``unigram_loss`` is the entropy (nats) of the training data's token frequencies, the loss of a model that
     ignores its context (siamesenorm.train computes it from the token files when the config leaves it None), so
     the rule catches a run stuck on the unigram plateau although its loss stays under ``max_loss``.
@@ -91,7 +94,7 @@ class StabilityConfig:
     unigram_loss: Optional[float] = None
     """The training data's unigram entropy in nats; None = computed from the token files at start."""
     converge_steps: Optional[int] = None
-    """When the convergence check runs; None = max(2 * grace_steps, 100); 0 = never."""
+    """When the convergence check runs; None = the run's last step; 0 = never."""
     converge_margin: float = 0.1
     converge_window: int = 20
 
@@ -107,7 +110,7 @@ class StabilityMonitor:
     Every rank feeds it the same values, so every rank takes the same decision."""
 
     def __init__(self, cfg: StabilityConfig, vocab_size: int, warmup_steps: int,
-                 unigram_loss: Optional[float] = None):
+                 unigram_loss: Optional[float] = None, max_steps: Optional[int] = None):
         if cfg.patience < 1 or cfg.spike_window < 1 or cfg.spike_factor <= 1.0 or cfg.grad_spike_factor <= 1.0:
             raise ValueError(
                 "stability: patience and spike_window must be >= 1 and spike_factor, grad_spike_factor > 1 "
@@ -117,8 +120,7 @@ class StabilityMonitor:
         self.max_loss = cfg.max_loss if cfg.max_loss is not None else math.log(vocab_size)
         self.grace_steps = cfg.grace_steps if cfg.grace_steps is not None else warmup_steps
         self.unigram_loss = cfg.unigram_loss if cfg.unigram_loss is not None else unigram_loss
-        self.converge_steps = (cfg.converge_steps if cfg.converge_steps is not None
-                               else max(2 * self.grace_steps, 100))
+        self.converge_steps = cfg.converge_steps if cfg.converge_steps is not None else max_steps
         self.window: Deque[float] = deque(maxlen=cfg.spike_window)
         self.grad_window: Deque[float] = deque(maxlen=cfg.spike_window)
         self.recent: Deque[float] = deque(maxlen=cfg.converge_window)

@@ -244,7 +244,8 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
     unigram = None
     if cfg.stability.unigram_loss is None and cfg.data.paths:
         unigram = unigram_loss([str(p) for p in cfg.data.paths], str(cfg.data.memmap_dtype), cfg.model.vocab_size)
-    trainer.monitor = StabilityMonitor(cfg.stability, cfg.model.vocab_size, warmup_steps(cfg), unigram)
+    trainer.monitor = StabilityMonitor(cfg.stability, cfg.model.vocab_size, warmup_steps(cfg), unigram,
+                                       trainer.max_steps)
     trainer.record_info = record_info(cfg, config_path, model_type, source, trainer.model.num_params(),
                                       trainer.monitor)
     if action == "resume" and previous:
