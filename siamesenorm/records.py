@@ -289,4 +289,11 @@ def read_record(path: str | Path) -> Dict[str, Any]:
     if missing:
         raise ValueError(f"{path}: run record lacks {', '.join(missing)}.")
     record.setdefault("path", str(path))
+    saved_config = path.parent / "config.yaml"
+    if "recipe_hash" not in record and saved_config.is_file():  # a record written before recipe_hash existed
+        from .checkpoints import load_saved_config
+
+        cfg = load_saved_config(saved_config)
+        record["recipe_hash"] = recipe_hash(cfg)
+        record.setdefault("seed", cfg.seed)
     return record
