@@ -217,7 +217,7 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
         path, cache = trainer.save_checkpoint(checkpoint_type=kind)
         trainer.restore_checkpoint(path, checkpoint_type=kind, local_cache=cache)
     if load_path is not None:
-        log.info("Loading %s", load_path)
+        log.info("Resuming from %s", load_path)
         try:
             trainer.restore_checkpoint(
                 load_path,

@@ -37,3 +37,17 @@ def test_sweep_runs_two_cells_then_skips_them(tmp_path):
         assert not list((tmp_path / "runs" / cell.name).glob("step*"))  # checkpoints dropped after analysis
     second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "2 cells, 2 done, 0 to run" in second.stdout
+    # the study report reads the same results: one grid cell per method, the figures written
+    report = subprocess.run([sys.executable, str(ROOT / "scripts" / "study_report.py"), str(tmp_path / "results"),
+                             "--output", str(tmp_path / "report"), "--smooth", "2"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert report.returncode == 0, report.stderr[-3000:]
+    summary = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert summary["cells"] == 2 and set(summary["grid"]) == {"Pre-Norm", "SiameseNorm"}
+    rows = [json.loads(line) for line in (tmp_path / "results" / "pre-lr0.01-s1" / "metrics.jsonl").read_text().splitlines()]
+    grads = sorted(r["grad_norm"] for r in rows if "grad_norm" in r and r["step"] > 2)  # after the 2 warmup steps
+    assert summary["grid"]["Pre-Norm"]["1e-2"]["grad_norm_max_after_warmup"] == grads[-1]
+    assert summary["grid"]["Pre-Norm"]["1e-2"]["seeds"] == 1
+    assert summary["analyses"]["hybrid_pre-lr0.01-s1"]["fusion_weights"] is not None
+    assert (tmp_path / "report" / "study-loss.png").stat().st_size > 0
+    assert (tmp_path / "report" / "study-magnitudes.png").stat().st_size > 0

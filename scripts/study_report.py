@@ -1,0 +1,39 @@
+"""The CPU study's table, figures and per-claim numbers from the sweep's results (siamesenorm/study.py).
+
+  python scripts/study_report.py results/study-cpu --output docs/figures/study
+  (writes study-*.png, report.json and table.md into --output; docs/results-cpu.md quotes them)
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from siamesenorm.study import figures, report  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", help="the sweep's results folder (one sub-folder per cell)")
+    parser.add_argument("--output", required=True, help="folder for the figures, report.json and table.md")
+    parser.add_argument("--format", choices=["png", "pdf", "svg"], default="png", help="figure file format")
+    parser.add_argument("--smooth", type=int, default=20, help="moving-average window of the curves, in steps")
+    args = parser.parse_args(argv)
+    if not Path(args.results).is_dir():
+        print(f"error: {args.results} is not a folder; run scripts/sweep.py first.", file=sys.stderr)
+        return 2
+    out = Path(args.output)
+    out.mkdir(parents=True, exist_ok=True)
+    summary = report(args.results)
+    (out / "report.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=1) + "\n")
+    (out / "table.md").write_text(summary["table"])
+    for path in figures(args.results, out, args.format, args.smooth):
+        print(f"wrote {path}")
+    print(f"wrote {out / 'report.json'} and {out / 'table.md'} ({summary['cells']} cells)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,195 @@
+"""The CPU study's report: from the sweep's results folder to the table, the figures and the seven claims' numbers.
+
+Every number docs/results-cpu.md quotes comes from ``report(results)``; ``python scripts/study_report.py`` writes
+it as JSON and Markdown next to the figures, so the page can be regenerated as cells finish.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from .records import RECORD_NAME
+from .tables import METHOD_NAMES, build_table, format_lr, method_name, to_markdown
+
+__all__ = ["load_cells", "report", "figures"]
+
+#: One colour per method in every figure.
+COLOURS = {"pre": "tab:blue", "post": "tab:orange", "hybrid": "tab:red", "hc": "tab:purple",
+           "post_pre": "tab:olive", "hybrid_pre": "tab:green", "deepnorm": "tab:brown", "residual": "tab:pink",
+           "mixln": "tab:gray", "peri": "tab:cyan", "mhc": "black", "hybrid_star": "darkred",
+           "pre_embednorm": "navy"}
+
+
+def load_cells(results: str | Path) -> List[Dict]:
+    """Every finished or diverged cell: its record, metrics rows and analyses."""
+    cells = []
+    for record_path in sorted(Path(results).glob(f"*/{RECORD_NAME}")):
+        record = json.loads(record_path.read_text())
+        if record.get("status") not in ("finished", "diverged"):
+            continue
+        folder = record_path.parent
+        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()] \
+            if (folder / "metrics.jsonl").is_file() else []
+        analyses = json.loads((folder / "analysis.json").read_text()) if (folder / "analysis.json").is_file() else {}
+        cells.append({"name": folder.name, "record": record, "rows": rows, "analysis": analyses,
+                      "path": str(record_path)})
+    return cells
+
+
+def _key(cell: Dict) -> str:
+    return method_name(cell["record"])
+
+
+def _ppl(cell: Dict) -> Optional[float]:
+    rec = cell["record"]
+    return None if rec["status"] == "diverged" else rec.get("val_perplexity")
+
+
+def _post_warmup(cell: Dict, key: str) -> List[float]:
+    warmup = cell["record"].get("stability", {}).get("grace_steps") or 0
+    return [r[key] for r in cell["rows"] if key in r and r[key] is not None and r.get("step", 0) > warmup]
+
+
+def report(results: str | Path) -> Dict:
+    """The table and, per claim, the numbers it is judged on (no verdicts: docs/results-cpu.md states them)."""
+    cells = load_cells(results)
+    by = {}
+    for c in cells:
+        by.setdefault((_key(c), c["record"]["learning_rate"]), []).append(c)
+    lrs = sorted({c["record"]["learning_rate"] for c in cells})
+    methods = sorted({_key(c) for c in cells}, key=lambda m: list(METHOD_NAMES.values()).index(m)
+                     if m in METHOD_NAMES.values() else 99)
+
+    def cell_summary(method: str, lr: float) -> Optional[Dict]:
+        group = by.get((method, lr))
+        if not group:
+            return None
+        ppls = [_ppl(c) for c in group]
+        alive = [p for p in ppls if p is not None]
+        grads = [g for c in group for g in _post_warmup(c, "grad_norm")]
+        return {
+            "seeds": len(group),
+            "diverged": sum(p is None for p in ppls),
+            "divergence_kinds": [c["record"].get("divergence_kind") for c in group if c["record"]["status"] == "diverged"],
+            "ppl_mean": statistics.mean(alive) if alive else None,
+            "ppl_sd": statistics.stdev(alive) if len(alive) > 1 else None,
+            "loss_spikes": sum(c["record"].get("loss_spikes", 0) for c in group),
+            "grad_spikes": sum(len(c["record"].get("grad_spikes") or []) for c in group),
+            "grad_norm_median_after_warmup": statistics.median(grads) if grads else None,
+            "grad_norm_max_after_warmup": max(grads) if grads else None,
+        }
+
+    grid = {m: {format_lr(lr): cell_summary(m, lr) for lr in lrs} for m in methods}
+    analyses = {}
+    for c in cells:
+        a = c["analysis"]
+        if not a:
+            continue
+        analyses[c["name"]] = {
+            "magnitudes": a.get("magnitudes", {}).get("rms"),
+            "fusion_weights": a.get("lens", {}).get("fusion_weights"),
+            "lens_match": a.get("lens", {}).get("match"),
+            "lens_match_where_disagree": a.get("lens", {}).get("match_where_streams_disagree"),
+            "depth_full": a.get("depth", {}).get("perplexity"),
+            "depth_without_last_k": a.get("depth", {}).get("without_last_k"),
+            "stream_ratios": a.get("stream_ratios", {}).get("ratio_x_over_y"),
+        }
+    best = {}
+    for m in methods:
+        options = [(s["ppl_mean"], lr) for lr, s in grid[m].items() if s and s["ppl_mean"] is not None]
+        best[m] = min(options) if options else None
+    table = to_markdown(build_table([c["record"] for c in cells], warn=None)) if cells else ""
+    return {"cells": len(cells), "learning_rates": [format_lr(lr) for lr in lrs], "grid": grid,
+            "best_cell": best, "analyses": analyses, "table": table}
+
+
+def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int = 20) -> List[Path]:
+    """Loss curves per learning rate (figure 2b/4), gradient norms (figure 5), hidden-state magnitudes at the middle
+    rate (figure 2a) and stream ratios (figure 6), one colour per method throughout."""
+    from .analysis import _pyplot
+
+    plt = _pyplot()
+    cells = load_cells(results)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    written = []
+    lrs = sorted({c["record"]["learning_rate"] for c in cells})
+    plain = [c for c in cells if not c["record"].get("variant_knobs")]
+    first_seed = {}
+    for c in plain:  # one run per (method, lr) in the curves: the lowest seed
+        k = (c["record"]["model_type"], c["record"]["learning_rate"])
+        if k not in first_seed or c["record"].get("seed", 0) < first_seed[k]["record"].get("seed", 0):
+            first_seed[k] = c
+    seed_one = list(first_seed.values())
+    for key, ylabel, log in (("loss", "training loss", False), ("grad_norm", "gradient norm", True)):
+        fig, axes = plt.subplots(1, len(lrs), figsize=(4.0 * len(lrs), 3.4), sharey=True, squeeze=False)
+        for ax, lr in zip(axes[0], lrs):
+            for c in (c for c in seed_one if c["record"]["learning_rate"] == lr):
+                rows = [r for r in c["rows"] if r.get(key) is not None]
+                ys = [r[key] for r in rows]
+                xs = [r["step"] for r in rows]
+                if smooth > 1 and len(ys) > smooth:
+                    ys = [statistics.mean(ys[i - smooth + 1 : i + 1]) for i in range(smooth - 1, len(ys))]
+                    xs = xs[smooth - 1 :]
+                mt = c["record"]["model_type"]
+                ax.plot(xs, ys, lw=1, color=COLOURS.get(mt), label=METHOD_NAMES.get(mt, mt))
+                if c["record"]["status"] == "diverged" and xs:
+                    ax.plot(xs[-1], ys[-1], marker="x", color=COLOURS.get(mt), ms=8, mew=2)
+            ax.set(title=f"lr {format_lr(lr)}", xlabel="step", yscale="log" if log else "linear")
+        axes[0][0].set_ylabel(ylabel + (f" ({smooth}-step mean)" if smooth > 1 else ""))
+        handles = {}
+        for ax in axes[0]:
+            for h, label in zip(*ax.get_legend_handles_labels()):
+                handles.setdefault(label, h)
+        fig.legend(list(handles.values()), list(handles), fontsize=7, loc="lower center", ncol=len(handles))
+        fig.suptitle("x: the guard stopped the run (diverged or failed to converge)", fontsize=8)
+        fig.tight_layout(rect=(0, 0.08, 1, 1))
+        path = out / f"study-{'loss' if key == 'loss' else 'grad-norms'}.{fmt}"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    middle = lrs[len(lrs) // 2 - 1] if lrs else None
+    mags = [c for c in seed_one if c["record"]["learning_rate"] == middle and c["analysis"].get("magnitudes", {}).get("applies")]
+    if mags:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for c in mags:
+            mt = c["record"]["model_type"]
+            for i, (stream, values) in enumerate(c["analysis"]["magnitudes"]["rms"].items()):
+                label = METHOD_NAMES.get(mt, mt) + ("" if len(c["analysis"]["magnitudes"]["rms"]) == 1 else
+                                                    f", {'bounded stream X' if i == 0 else 'stream ' + str(i + 1)}"
+                                                    if mt not in ("post_pre", "hybrid_pre") else
+                                                    f", {'X (bounded)' if i == 0 else 'Y (Pre-Norm)'}")
+                ax.plot(range(len(values)), values, color=COLOURS.get(mt), ls="-" if i == 0 else "--", marker="o",
+                        ms=3, label=label)
+        ax.set(xlabel="layer (0 = embedding)", ylabel="hidden-state RMS", yscale="log",
+               title=f"Hidden-state magnitude after training, lr {format_lr(middle)}")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        path = out / f"study-magnitudes.{fmt}"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    ratios = [c for c in seed_one if c["analysis"].get("stream_ratios", {}).get("applies")
+              and c["record"]["model_type"] == "hybrid_pre"]
+    if ratios:
+        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        for c in ratios:
+            r = c["analysis"]["stream_ratios"]
+            for sub, ls in (("attention", "-"), ("mlp", "--")):
+                ax.plot(r["layers"], [math.nan if v is None else v for v in r["ratio_x_over_y"][sub]], ls=ls,
+                        marker="o", ms=3, label=f"lr {format_lr(c['record']['learning_rate'])}, {sub}")
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.set(xlabel="layer", ylabel="input scale X / Y", title="SiameseNorm: X / Y input-scale ratio per layer")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        ax.legend(fontsize=6)
+        fig.tight_layout()
+        path = out / f"study-stream-ratios.{fmt}"
+        fig.savefig(path, dpi=120)
+        plt.close(fig)
+        written.append(path)
+    return written
