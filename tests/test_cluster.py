@@ -68,7 +68,8 @@ def test_wandb_offline_through_launch_exits_0_with_one_run_folder(tmp_path, data
     folder = tmp_path / "run"
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "launch.py"), "--standalone", "--nproc_per_node=1", str(TINY), *SMALL,
-         f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=3", "--wandb.project=test"],
+         f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=3", "--wandb.project=test",
+         "--no_pre_train_checkpoint=false"],
         cwd=ROOT, env=env(WANDB_MODE="offline"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "quiet" not in proc.stderr
@@ -76,6 +77,7 @@ def test_wandb_offline_through_launch_exits_0_with_one_run_folder(tmp_path, data
     assert len(runs) == 1 and not (folder / "wandb" / "wandb").exists()
     assert record(folder)["status"] == "finished"
     assert (folder / "data-indices" / "rank0.tsv.gz").is_file()  # save_data_indices (OLMo's default) honoured
+    assert (folder / "step0-unsharded" / "model.pt").is_file()  # no_pre_train_checkpoint=false: saved and reloaded
 
 
 # ---- 2, 6. kill, rerun, resume under torch's weights_only default; metrics never twice ----------------------------

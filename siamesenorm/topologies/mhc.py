@@ -34,25 +34,12 @@ import torch.nn as nn
 from olmo.config import ModelConfig
 
 from ..config import knob
+from ..nn.topologies import sinkhorn  # the one definition, shared with the plain-PyTorch core
 from .base import ConnectedStreamsBlock, TopologyBlock, norm_params
 
 __all__ = ["ManifoldHyperConnection", "ManifoldHyperConnectionBlock", "sinkhorn"]
 
 _GATE_INIT = 0.01
-
-
-def sinkhorn(logits: torch.Tensor, iterations: int, order: str = "columns_first") -> torch.Tensor:
-    """A doubly stochastic matrix from (..., n, n) logits: Sinkhorn-Knopp on exp(logits), log domain, fp32.
-
-    "columns_first" (the mHC paper's T_r(T_c(M)) per iteration): columns are normalised, then rows, so rows sum
-    to 1 exactly and columns to within the iteration's tolerance. "rows_first" is the transpose of that order
-    (columns end exact)."""
-    first, second = (-2, -1) if order == "columns_first" else (-1, -2)
-    log_p = logits.float()
-    for _ in range(iterations):
-        log_p = log_p - log_p.logsumexp(dim=first, keepdim=True)
-        log_p = log_p - log_p.logsumexp(dim=second, keepdim=True)
-    return log_p.exp()
 
 
 class ManifoldHyperConnection(nn.Module):

@@ -1,0 +1,149 @@
+"""siamesenorm.nn, the plain-PyTorch core: importable without ai2-olmo, and each topology, wrapped around an OLMo
+model's own attention and MLP with its norm weights copied in, gives that model's logits."""
+
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn as nn
+from conftest import tiny_config
+from test_variants import ids, randomize
+
+from siamesenorm import build_model
+from siamesenorm import nn as snn
+
+
+def test_core_imports_with_torch_alone():
+    code = ("import sys; sys.modules['olmo'] = None; "
+            "from siamesenorm.nn import SiameseNorm, SiameseFusion, PreNorm, PostNorm, HybridNorm, HyperConnections, "
+            "ManifoldHyperConnections; "
+            "assert not any(m.startswith('olmo.') for m in sys.modules); print('ok')")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr
+
+
+def rms(dim, source):
+    """torch's RMSNorm holding an OLMo norm's weight (same formula: x / sqrt(mean(x^2) + eps) * w)."""
+    norm = nn.RMSNorm(dim, eps=1e-5)
+    with torch.no_grad():
+        norm.weight.copy_(source.weight)
+    return norm
+
+
+def attn(block, pre_norm=None):
+    def branch(h):
+        return block.attention_branch(h if pre_norm is None else pre_norm(h), None, None, False, None, None)[0]
+    return branch
+
+
+def mlp(block, pre_norm=None):
+    return lambda h: block.mlp_branch(h if pre_norm is None else pre_norm(h))
+
+
+def core_chain(model, model_type, cfg):
+    """(expand, per-sublayer wrappers, reduce) built from siamesenorm.nn around the model's blocks."""
+    d, blocks = cfg.d_model, list(model.transformer.blocks)
+    wrappers = []
+    for i, b in enumerate(blocks):
+        if model_type == "post":
+            pos = cfg.post_norm_position
+            for branch, norm in ((attn(b), b.attn_norm), (mlp(b), b.ff_norm)):
+                w = snn.PostNorm(d, branch, norm=lambda dim, n=norm: rms(dim, n), position=pos)
+                wrappers.append(w)
+        elif model_type == "hybrid":
+            wrappers.append(snn.HybridNorm(d, attn(b), "attention"))
+            wrappers.append(snn.HybridNorm(d, mlp(b), "mlp", norm=lambda dim, n=b.ff_norm: rms(dim, n)))
+        elif model_type in ("post_pre", "hybrid_pre"):
+            bounded = "post" if model_type == "post_pre" else "hybrid"
+            knobs = dict(layer=i, bounded=bounded, x_norm_position=cfg.post_pre_x_norm_position,
+                         depth_scaling_form=cfg.siamese_depth_scaling_form,
+                         normalized_input=cfg.siamese_normalized_input)
+            for sub, branch in (("attention", attn(b)), ("mlp", mlp(b))):
+                w = snn.SiameseNorm(d, branch, sublayer=sub, norm=lambda dim: nn.RMSNorm(dim, eps=1e-5), **knobs)
+                prefix = "attn" if sub == "attention" else "ff"
+                with torch.no_grad():
+                    w.y_norm.weight.copy_(getattr(b, f"{prefix}_norm_y").weight)
+                    if w.x_norm is not None:
+                        w.x_norm.weight.copy_(getattr(b, f"{prefix}_norm_x").weight)
+                    if w.in_norm is not None:
+                        w.in_norm.weight.copy_(getattr(b, f"{prefix}_norm").weight)
+                    if w.gamma is not None:
+                        w.gamma.copy_(b.gamma)
+                wrappers.append(w)
+        elif model_type in ("hc", "mhc"):
+            n = cfg.hc_expansion_rate if model_type == "hc" else cfg.mhc_expansion_rate
+            for sub, make in (("attn", attn), ("ff", mlp)):
+                source = getattr(b, f"{sub}_{model_type}")
+                branch = make(b, getattr(b, f"{sub}_norm"))
+                if model_type == "hc":
+                    w = snn.HyperConnections(n, d, branch, layer=i, norm=lambda dim: nn.RMSNorm(dim, eps=1e-5))
+                else:
+                    w = snn.ManifoldHyperConnections(n, d, branch, norm=lambda dim: nn.RMSNorm(dim, eps=1e-5),
+                                                     iterations=cfg.mhc_sinkhorn_iterations,
+                                                     order=cfg.mhc_sinkhorn_order)
+                w_params = dict(w.named_parameters())
+                with torch.no_grad():
+                    for name, p in source.named_parameters():
+                        w_params[name].copy_(p)
+                wrappers.append(w)
+    if model_type in ("post_pre", "hybrid_pre"):
+        last = blocks[-1]
+        fusion = snn.SiameseFusion(d, norm=lambda dim: nn.RMSNorm(dim, eps=1e-5))
+        with torch.no_grad():
+            fusion.x_norm.weight.copy_(last.out_norm_x.weight)
+            fusion.y_norm.weight.copy_(last.out_norm_y.weight)
+        return snn.SiameseNorm.expand, wrappers, fusion
+    if model_type == "hc":
+        return (lambda x: snn.HyperConnections.expand(x, cfg.hc_expansion_rate)), wrappers, snn.HyperConnections.reduce
+    if model_type == "mhc":
+        return ((lambda x: snn.ManifoldHyperConnections.expand(x, cfg.mhc_expansion_rate)), wrappers,
+                snn.ManifoldHyperConnections.reduce)
+    return (lambda x: x), wrappers, (lambda x: x)
+
+
+CASES = [
+    ("post", {}), ("post", {"post_norm_position": "before_sublayer"}), ("hybrid", {}),
+    ("post_pre", {}), ("post_pre", {"post_pre_x_norm_position": "after_addition",
+                                    "siamese_depth_scaling_form": "inv_sqrt_layer"}),
+    ("post_pre", {"siamese_normalized_input": False}),
+    ("hybrid_pre", {}), ("hybrid_pre", {"siamese_normalized_input": False}),
+    ("hc", {}), ("hc", {"hc_expansion_rate": 3}), ("mhc", {"mhc_expansion_rate": 2, "mhc_sinkhorn_iterations": 5}),
+]
+
+
+@pytest.mark.parametrize("model_type,overrides", CASES, ids=[m + "".join(f"-{v}" for v in o.values()) for m, o in CASES])
+def test_core_gives_the_olmo_models_logits(model_type, overrides):
+    cfg = tiny_config(**overrides)
+    model = randomize(build_model(cfg, model_type)).eval()
+    tokens = ids()
+    expand, wrappers, reduce = core_chain(model, model_type, model.config)
+    with torch.no_grad():
+        state = expand(model.transformer.wte(tokens))
+        for w in wrappers:
+            state = w(state)
+        h = model.transformer.ln_f(reduce(state))
+        want = h @ model.transformer.wte.weight.T
+        torch.testing.assert_close(model(tokens).logits, want, rtol=1e-4, atol=1e-4)
+
+
+def test_wrappers_register_module_branches_and_train():
+    """A module branch is a submodule (its weights are in the wrapper's parameters) and gradients reach it."""
+    mlp_branch = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 8))
+    w = snn.SiameseNorm(8, mlp_branch, layer=0, sublayer="mlp")
+    assert any(p is mlp_branch[0].weight for p in w.parameters())
+    x, y = w(snn.SiameseNorm.expand(torch.randn(2, 5, 8)))
+    (x.sum() + y.sum()).backward()
+    assert mlp_branch[0].weight.grad is not None and mlp_branch[0].weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="norm position"):
+        snn.SiameseNorm(8, mlp_branch, layer=0, x_norm_position="middle")
+
+
+def test_vit_example_learns_digits_with_pre_norm_and_siamese_norm():
+    """examples/vit_digits.py, briefly: well above the 10% of chance on held-out digits."""
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1] / "examples"))
+    import vit_digits
+
+    for topology in ("pre", "siamese"):
+        acc = vit_digits.train(topology, steps=120, depth=2, lr=3e-3)
+        assert acc > 0.6, (topology, acc)
