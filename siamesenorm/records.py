@@ -4,11 +4,13 @@ The divergence guard, checked after every optimizer step on the global loss and 
   * a non-finite loss or gradient norm stops the run at that step (Adam's state is poisoned; it cannot recover);
   * after ``grace_steps`` (default: the scheduler's warmup), a loss above ``max_loss`` (default ln(vocab_size), the
     loss of a uniform guess) for ``patience`` consecutive steps stops the run at the last of them;
-  * failure to converge: at step ``converge_steps`` (default: the run's last step, i.e. the whole token budget), if
-    the mean loss of the last ``converge_window`` (20) steps is not below ``unigram_loss - converge_margin`` (0.1
-    nats), the run stops there and counts as failed. An earlier ``converge_steps`` saves compute on dead runs but
-    can cut off a run that leaves the plateau late (the tiny recipe's SiameseNorm at lr 0.1 sat at loss 6.20 for
-    100 steps, then reached 5.0; docs/training.md).
+  * failure to converge: a run converged when the mean loss of its last ``converge_window`` (20) steps is below
+    ``unigram_loss - converge_margin`` (0.1 nats). By default this is judged at the end of the budget: the run
+    finishes, and its record says ``converged: false`` (make_tables prints "diverge", as the paper marks runs
+    that failed to converge). With ``converge_steps`` set, it is judged at that step and a run that has not
+    converged stops there (status ``diverged``, ``divergence_kind: not_converged``): that saves compute on dead
+    runs but can cut off a run that leaves the plateau late (the tiny recipe's SiameseNorm at lr 0.1 sat at loss
+    6.20 for 100 steps, then reached 5.0; docs/training.md).
     ``unigram_loss`` is the entropy (nats) of the training data's token frequencies, the loss of a model that
     ignores its context (siamesenorm.train computes it from the token files when the config leaves it None), so
     the rule catches a run stuck on the unigram plateau although its loss stays under ``max_loss``.
@@ -94,7 +96,7 @@ class StabilityConfig:
     unigram_loss: Optional[float] = None
     """The training data's unigram entropy in nats; None = computed from the token files at start."""
     converge_steps: Optional[int] = None
-    """When the convergence check runs; None = the run's last step; 0 = never."""
+    """Stop a run that has not converged at this step; None = judge at the end without stopping; 0 = never judge."""
     converge_margin: float = 0.1
     converge_window: int = 20
 
@@ -110,7 +112,7 @@ class StabilityMonitor:
     Every rank feeds it the same values, so every rank takes the same decision."""
 
     def __init__(self, cfg: StabilityConfig, vocab_size: int, warmup_steps: int,
-                 unigram_loss: Optional[float] = None, max_steps: Optional[int] = None):
+                 unigram_loss: Optional[float] = None):
         if cfg.patience < 1 or cfg.spike_window < 1 or cfg.spike_factor <= 1.0 or cfg.grad_spike_factor <= 1.0:
             raise ValueError(
                 "stability: patience and spike_window must be >= 1 and spike_factor, grad_spike_factor > 1 "
@@ -120,7 +122,7 @@ class StabilityMonitor:
         self.max_loss = cfg.max_loss if cfg.max_loss is not None else math.log(vocab_size)
         self.grace_steps = cfg.grace_steps if cfg.grace_steps is not None else warmup_steps
         self.unigram_loss = cfg.unigram_loss if cfg.unigram_loss is not None else unigram_loss
-        self.converge_steps = cfg.converge_steps if cfg.converge_steps is not None else max_steps
+        self.converge_steps = cfg.converge_steps  # None: judged at the end by convergence(), without stopping
         self.window: Deque[float] = deque(maxlen=cfg.spike_window)
         self.grad_window: Deque[float] = deque(maxlen=cfg.spike_window)
         self.recent: Deque[float] = deque(maxlen=cfg.converge_window)
@@ -161,16 +163,24 @@ class StabilityMonitor:
             self.in_grad_spike = self._spike(step, grad_norm, self.grad_window, self.cfg.grad_spike_factor,
                                              self.grad_spikes, self.in_grad_spike, "grad_norm")
 
-    def _check_convergence(self, step: int) -> None:
-        if self.unigram_loss is None or not self.converge_steps or step != self.converge_steps:
-            return
+    def convergence(self) -> Dict[str, Any]:
+        """Whether the recent losses are below the unigram level (None when it is unknown or nothing was seen)."""
+        if self.unigram_loss is None or not self.recent or self.converge_steps == 0:
+            return {"converged": None}
         mean = sum(self.recent) / len(self.recent)
-        target = self.unigram_loss - self.cfg.converge_margin
-        if mean >= target:
+        return {"converged": mean < self.unigram_loss - self.cfg.converge_margin, "final_mean_loss": mean,
+                "unigram_loss": self.unigram_loss, "window": len(self.recent)}
+
+    def _check_convergence(self, step: int) -> None:
+        if not self.converge_steps or step != self.converge_steps:
+            return
+        verdict = self.convergence()
+        if verdict["converged"] is False:
             raise Diverged(
                 step,
-                f"failed to converge: mean loss {mean:.4f} over the last {len(self.recent)} steps is not below the "
-                f"training data's unigram loss {self.unigram_loss:.4f} minus {self.cfg.converge_margin}",
+                f"failed to converge: mean loss {verdict['final_mean_loss']:.4f} over the last {verdict['window']} "
+                f"steps is not below the training data's unigram loss {self.unigram_loss:.4f} minus "
+                f"{self.cfg.converge_margin}",
                 kind="not_converged",
             )
 

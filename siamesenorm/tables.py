@@ -4,7 +4,8 @@ validation perplexity, the seven downstream accuracies and their average.
 Cell rules:
   * PPL: the last validation perplexity (2 decimals); accuracies in percent (1 decimal); Avg: the mean of the seven
     accuracies, only when all seven exist; "-" where a value does not exist;
-  * a diverged run: "diverge" in PPL and "-" in every other column;
+  * a diverged run, or one that finished without converging (``converged: false``): "diverge" in PPL and "-" in
+    every other column;
   * "*" after PPL: the run had loss spikes (records.py has the rule); "†" after PPL: the run has not finished
     (status running or stopped), its values are its latest;
   * bold: the best value of each column within a setting (lowest PPL, highest accuracy), ties all bold,
@@ -112,7 +113,7 @@ class Table:
 
 def _row(record: Dict, setting: str) -> Row:
     method = method_name(record)
-    if record.get("status") == "diverged":
+    if record.get("status") == "diverged" or record.get("converged") is False:
         return Row(setting, method, [None] * len(COLUMNS), [DIVERGE] + [MISSING] * (len(COLUMNS) - 1), True)
     ppl = record.get("val_perplexity")
     downstream = record.get("downstream") or {}

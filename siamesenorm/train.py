@@ -244,8 +244,7 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
     unigram = None
     if cfg.stability.unigram_loss is None and cfg.data.paths:
         unigram = unigram_loss([str(p) for p in cfg.data.paths], str(cfg.data.memmap_dtype), cfg.model.vocab_size)
-    trainer.monitor = StabilityMonitor(cfg.stability, cfg.model.vocab_size, warmup_steps(cfg), unigram,
-                                       trainer.max_steps)
+    trainer.monitor = StabilityMonitor(cfg.stability, cfg.model.vocab_size, warmup_steps(cfg), unigram)
     trainer.record_info = record_info(cfg, config_path, model_type, source, trainer.model.num_params(),
                                       trainer.monitor)
     if action == "resume" and previous:
@@ -268,7 +267,8 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
     except BaseException as err:  # an error, an interrupt or a signal: the record says the run ended early
         trainer.save_record("stopped", error=f"{type(err).__name__}: {err}"[:500])
         raise
-    trainer.save_record("finished" if trainer.global_step >= trainer.max_steps else "stopped")
+    trainer.save_record("finished" if trainer.global_step >= trainer.max_steps else "stopped",
+                        **trainer.monitor.convergence())
     if get_global_rank() == 0:
         report(trainer)
     return 0

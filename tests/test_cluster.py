@@ -69,7 +69,7 @@ def test_wandb_offline_through_launch_exits_0_with_one_run_folder(tmp_path, data
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "launch.py"), "--standalone", "--nproc_per_node=1", str(TINY), *SMALL,
          f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=3", "--wandb.project=test",
-         "--no_pre_train_checkpoint=false"],
+         "--no_pre_train_checkpoint=false", "--save_num_unsharded_checkpoints_to_keep=2"],
         cwd=ROOT, env=env(WANDB_MODE="offline"), capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "quiet" not in proc.stderr
