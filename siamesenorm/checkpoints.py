@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import pathlib
 import pickle
+import pickletools
+import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -33,10 +37,17 @@ def _sharded_tensor_types() -> tuple:
         TensorProperties,
     )
     from torch.distributed._shard.sharded_tensor.shard import Shard
+    from torch.distributed._shard.sharding_spec import (
+        ChunkShardingSpec,
+        DevicePlacementSpec,
+        EnumerableShardingSpec,
+    )
     from torch.distributed.remote_device import _remote_device
 
+    # the sharding specs are plain dataclasses; which one a shard holds depends on how FSDP split the parameter
     return (ShardedTensor, ShardedTensor.ProcessGroupState, Shard, ShardMetadata, ShardedTensorMetadata,
-            TensorProperties, MEM_FORMAT_ENCODING, _remote_device)
+            TensorProperties, MEM_FORMAT_ENCODING, _remote_device, ChunkShardingSpec, EnumerableShardingSpec,
+            DevicePlacementSpec)
 
 
 def _checkpoint_getattr(obj, name: str):
@@ -68,19 +79,41 @@ def allow_checkpoint_types() -> None:
     )
 
 
+def pickle_globals(path: str | Path) -> set[str]:
+    """Every global (``module.name``) the pickle inside a torch checkpoint file refers to, read statically with
+    pickletools: nothing is unpickled, nothing runs."""
+    names: set[str] = set()
+    with zipfile.ZipFile(path) as archive:
+        for member in (m for m in archive.namelist() if m.endswith("data.pkl")):
+            strings: list[str] = []
+            for opcode, arg, _ in pickletools.genops(archive.read(member)):
+                if opcode.name == "GLOBAL":
+                    names.add(arg.replace(" ", "."))
+                elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                    names.add(f"{strings[-2]}.{strings[-1]}")
+                elif isinstance(arg, str):
+                    strings.append(arg)
+    return {"builtins." + n[len("__builtin__."):] if n.startswith("__builtin__.") else n for n in names}
+
+
+def _allowed_names() -> set[str]:
+    from torch import _weights_only_unpickler as wou
+
+    return set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
+
+
 def find_unsafe_file(folder: str | Path) -> Optional[tuple[Path, str]]:
-    """(file, reason) for the first ``*.pt`` in ``folder`` that torch.load refuses with weights_only=True, else
-    None. Tensors are memory-mapped, not read, so this is cheap even for large checkpoints."""
+    """(file, reason) for the first ``*.pt`` in ``folder`` that refers to a global outside what torch.load with
+    weights_only=True accepts plus this project's allow-list, else None. Read statically (pickle_globals)."""
     allow_checkpoint_types()
+    allowed = _allowed_names()
     for path in sorted(Path(folder).glob("*.pt")):
         try:
-            torch.load(path, map_location="cpu", weights_only=True, mmap=True)
-        except pickle.UnpicklingError as err:
-            detail = next((line.strip() for line in str(err).splitlines() if "WeightsUnpickler error" in line),
-                          str(err).splitlines()[0])
-            return path, detail.replace("WeightsUnpickler error: ", "")
-        except RuntimeError:  # e.g. a sharded tensor that needs a process group: its types passed the allow-list
-            continue
+            outside = sorted(pickle_globals(path) - allowed)
+        except zipfile.BadZipFile:
+            return path, "not a torch checkpoint file (not a zip archive)"
+        if outside:
+            return path, f"refers to {', '.join(outside[:3])}"
     return None
 
 
@@ -114,6 +147,20 @@ def load_saved_config(config_yaml: str | Path, overrides: Optional[List[str]] = 
     return load_config(str(config_yaml), legacy_overrides(config_yaml) + list(overrides or []))
 
 
+@contextlib.contextmanager
+def _unrestricted_torch_load():
+    """torch.load without weights_only inside the block, for files already checked by find_unsafe_file."""
+    previous = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
+    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
+        else:
+            os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = previous
+
+
 def load_model_state(checkpoint_dir: str | Path) -> Dict[str, torch.Tensor]:
     """Full (unsharded) model state dict of an unsharded (``stepN-unsharded/model.pt``) or a torch_legacy sharded
     checkpoint (``stepN/rank*.pt``, unsharded here in one process)."""
@@ -126,8 +173,12 @@ def load_model_state(checkpoint_dir: str | Path) -> Dict[str, torch.Tensor]:
         from olmo.checkpoint import TorchLegacyShardedCheckpointer
 
         cfg = load_saved_config(folder / "config.yaml")
-        model_state, _, _ = TorchLegacyShardedCheckpointer(cfg).unshard_checkpoint(
-            folder, load_optimizer_state=False, load_trainer_state=False
-        )
+        # OLMo unshards FSDP's shards in one process by patching how torch rebuilds a ShardedTensor, which torch's
+        # weights_only unpickler bypasses. The shards were checked above: every global they refer to is on the
+        # allow-list, so they are loaded with weights_only=False for this call only.
+        with _unrestricted_torch_load():
+            model_state, _, _ = TorchLegacyShardedCheckpointer(cfg).unshard_checkpoint(
+                folder, load_optimizer_state=False, load_trainer_state=False
+            )
         return model_state
     raise FileNotFoundError(f"{folder} holds neither model.pt nor rank*.pt: not an OLMo checkpoint folder.")
