@@ -1,8 +1,8 @@
 """Run a sweep plan (methods x learning rates x seeds over one recipe), a few processes at a time; rerunning it
 continues where it stopped. Logic and plan format: siamesenorm/sweep.py.
 
-  python scripts/sweep.py configs/study-sweep.yaml            # every cell not done yet, 2 at a time
-  python scripts/sweep.py configs/study-sweep.yaml --list     # the cells and their status
+  python scripts/sweep.py configs/sweeps/study-cpu.yaml            # every cell not done yet, 2 at a time
+  python scripts/sweep.py configs/sweeps/study-cpu.yaml --list     # the cells and their status
 """
 
 import argparse
@@ -16,7 +16,7 @@ from siamesenorm.sweep import load_plan, run_plan, status  # noqa: E402
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("plan", help="the sweep plan (YAML), e.g. configs/study-sweep.yaml")
+    parser.add_argument("plan", help="the sweep plan (YAML), e.g. configs/sweeps/study-cpu.yaml")
     parser.add_argument("--parallel", type=int, default=2, help="training processes at a time (one core each)")
     parser.add_argument("--only", nargs="*", help="run only these cells (names as --list prints them)")
     parser.add_argument("--list", action="store_true", help="print the cells and their status, run nothing")

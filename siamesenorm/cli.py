@@ -29,13 +29,16 @@ def train_main(argv=None) -> None:
     args, overrides = parser.parse_known_args(argv)
     _logging()
     from .checkpoints import UnsafeCheckpoint
-    from .train import main
+    from .train import Terminated, main
 
     try:
         code = main(args.config, overrides, dry=args.dry_run)
     except (OLMoConfigurationError, UnsafeCheckpoint) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except Terminated as e:  # preemption: the record says stopped; the same command resumes
+        print(f"stopped: {e}; rerun the same command to resume from the latest checkpoint", file=sys.stderr)
+        sys.exit(128 + e.signum)
     sys.exit(code)
 
 

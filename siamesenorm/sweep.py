@@ -1,7 +1,7 @@
 """A sweep of methods x learning rates x seeds over one recipe, run a few processes at a time, resumable across
 sessions, with the analyses that need a checkpoint computed right after each run so checkpoints need not be kept.
 
-A plan (YAML, e.g. configs/study-sweep.yaml)::
+A plan (YAML, e.g. configs/sweeps/study-cpu.yaml)::
 
     recipe: configs/study-cpu.yaml     # the recipe every cell trains
     runs: runs/study                   # checkpoints and full logs (not committed)

@@ -81,26 +81,34 @@ def test_wandb_offline_through_launch_exits_0_with_one_run_folder(tmp_path, data
 
 
 # ---- 2, 6. kill, rerun, resume under torch's weights_only default; metrics never twice ----------------------------
-def start_and_kill_at(args, folder: Path, step: int):
-    proc = subprocess.Popen([*TRAIN, str(TINY), *SMALL, *map(str, args)], cwd=ROOT, env=env(),
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while time.time() < deadline:
-        if (folder / "metrics.jsonl").is_file() and max(metric_steps(folder) or [0]) >= step:
-            break
-        if proc.poll() is not None:
-            raise AssertionError(f"run ended before step {step}: {proc.stderr.read()[-3000:]}")
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=60)
-    return proc
+def start_and_kill_at(args, folder: Path, step: int) -> tuple[int, str]:
+    """Start a run, SIGTERM it once it has logged ``step``; (exit status, its stderr)."""
+    log = folder.parent / f"{folder.name}-killed.log"
+    with open(log, "w") as stderr:
+        proc = subprocess.Popen([*TRAIN, str(TINY), *SMALL, *map(str, args)], cwd=ROOT, env=env(),
+                                stdout=subprocess.DEVNULL, stderr=stderr)
+        deadline = time.time() + 240
+        while time.time() < deadline:
+            try:
+                if (folder / "metrics.jsonl").is_file() and max(metric_steps(folder) or [0]) >= step:
+                    break
+            except ValueError:  # a line being written
+                pass
+            if proc.poll() is not None:
+                raise AssertionError(f"run ended before step {step}: {log.read_text()[-3000:]}")
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=60)
+    return code, log.read_text()
 
 
 def test_killed_run_is_recorded_and_a_rerun_resumes_without_duplicate_steps(tmp_path, data):
     folder = tmp_path / "run"
     args = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=400", "--save_interval_unsharded=5",
             "--try_load_latest_save"]
-    start_and_kill_at(args, folder, 8)
+    code, stderr = start_and_kill_at(args, folder, 8)
+    assert code == 128 + signal.SIGTERM and "stopped: killed by SIGTERM; rerun the same command" in stderr
+    assert "Traceback" not in stderr
     killed = record(folder)
     assert killed["status"] == "stopped" and "SIGTERM" in killed["error"], killed
     assert max(metric_steps(folder)) >= 8  # logged past the checkpoint that the rerun restores
