@@ -167,13 +167,7 @@ def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int 
                         ms=3, label=label)
         ax.set(xlabel="layer (0 = embedding)", ylabel="hidden-state RMS", yscale="log",
                title=f"Hidden-state magnitude after training, lr {format_lr(middle)}")
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.legend(fontsize=6)
-        fig.tight_layout()
-        path = out / f"study-magnitudes.{fmt}"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_finish_layer_figure(plt, fig, ax, out / f"study-magnitudes.{fmt}"))
     ratios = [c for c in seed_one if c["analysis"].get("stream_ratios", {}).get("applies")
               and c["record"]["model_type"] == "hybrid_pre"]
     if ratios:
@@ -185,11 +179,15 @@ def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int 
                         marker="o", ms=3, label=f"lr {format_lr(c['record']['learning_rate'])}, {sub}")
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.set(xlabel="layer", ylabel="input scale X / Y", title="SiameseNorm: X / Y input-scale ratio per layer")
-        ax.xaxis.get_major_locator().set_params(integer=True)
-        ax.legend(fontsize=6)
-        fig.tight_layout()
-        path = out / f"study-stream-ratios.{fmt}"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        written.append(_finish_layer_figure(plt, fig, ax, out / f"study-stream-ratios.{fmt}"))
     return written
+
+
+def _finish_layer_figure(plt, fig, ax, path: Path) -> Path:
+    """Integer layer ticks, a legend, saved and closed."""
+    ax.xaxis.get_major_locator().set_params(integer=True)
+    ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

@@ -71,7 +71,8 @@ def _raise_terminated(signum, frame):
 
 # ---- checks shared by a real start and a dry run --------------------------------------------------------------
 def prepare(cfg: SiameseTrainConfig) -> tuple[str, str, Optional[str], str]:
-    """Every check before anything is written: (model_type, its source, checkpoint to load, what happens)."""
+    """Every check of the config and the save folder before anything is written: (model_type, its source,
+    checkpoint to load, what happens). The data are checked by ``check_data``."""
     validate_run(cfg)
     load_path, action = plan_run(cfg)
     model_type, source = resolve_run_model_type(cfg, load_path)
@@ -79,12 +80,16 @@ def prepare(cfg: SiameseTrainConfig) -> tuple[str, str, Optional[str], str]:
     cfg.model.model_type = model_type
     if load_path is not None and "://" not in load_path:
         check_resume_model(cfg, load_path)
+    return model_type, source, load_path, action
+
+
+def check_data(cfg: SiameseTrainConfig) -> None:
+    """The data paths exist and are files, and every token file matches its manifest and the vocabulary."""
     check_data_paths(cfg)
     for _, data in [("data", cfg.data)] + [(ev.label, ev.data) for ev in cfg.evaluators if str(ev.type) == "lm"]:
         paths = list(data.paths or []) + [p for group in (data.datasets or {}).values() for p in group]
         check_token_files([str(p) for p in paths], str(data.memmap_dtype), cfg.model.vocab_size,
                           cfg.verify_data_sha256)
-    return model_type, source, load_path, action
 
 
 def dry_run(cfg: SiameseTrainConfig, model_type: str, action: str, load_path: Optional[str]) -> None:
@@ -102,9 +107,11 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
     cfg = load_config(config_path, overrides)
     model_type, source, load_path, action = prepare(cfg)
     log.info("MODEL_TYPE=%s (from %s)", model_type, source)
-    if dry or cfg.dry_run:
+    if dry or cfg.dry_run:  # the config, the parameters and the plan first, then the data as a real start checks it
         dry_run(cfg, model_type, action, load_path)
+        check_data(cfg)
         return 0
+    check_data(cfg)
 
     device = init_distributed()
     allow_checkpoint_types()  # torch.load keeps weights_only=True; OLMo's trainer state needs these types

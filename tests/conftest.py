@@ -35,6 +35,22 @@ def tiny_config(**overrides) -> SiameseModelConfig:
     return SiameseModelConfig(**values)
 
 
+@pytest.fixture(scope="session")
+def austen_prepared():
+    """data/prepared/austen-2k, the tiny recipe's data, prepared once if missing (what the quickstart does)."""
+    from pathlib import Path
+
+    from siamesenorm.data import PrepareSettings, prepare
+
+    root = Path(__file__).resolve().parents[1]
+    out = root / "data" / "prepared" / "austen-2k"
+    if not (out / "manifest.json").is_file():
+        settings = PrepareSettings([str(root / "data" / "austen.jsonl.gz")],
+                                   tokenizer=str(root / "data" / "tokenizer-austen-2k.json"), docs_per_unit=50)
+        prepare(settings, out, progress=False)
+    return out
+
+
 @pytest.fixture(autouse=True)
 def _no_model_type_env(monkeypatch):
     monkeypatch.delenv("MODEL_TYPE", raising=False)

@@ -136,7 +136,7 @@ def test_missing_data_path_says_how_to_prepare(tmp_path):
     assert not (tmp_path / "run").exists()  # failed before writing anything
 
 
-def test_dry_run_prints_config_and_parameter_count():
+def test_dry_run_prints_config_and_parameter_count(austen_prepared):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "train.py"), str(TINY), "--dry-run"],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "MODEL_TYPE": "hybrid_pre"},

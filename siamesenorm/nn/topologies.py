@@ -15,7 +15,7 @@ import torch
 import torch.nn as nn
 
 __all__ = ["PreNorm", "PostNorm", "HybridNorm", "SiameseNorm", "SiameseFusion", "HyperConnections",
-           "ManifoldHyperConnections", "depth_divisor", "sinkhorn"]
+           "ManifoldHyperConnections", "depth_divisor", "sinkhorn", "expand_streams"]
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
 NormFactory = Callable[[int], nn.Module]
@@ -210,9 +210,7 @@ class HyperConnections(nn.Module):
             self.dynamic_beta_fn = nn.Parameter(torch.zeros(dim))
             self.dynamic_beta_scale = nn.Parameter(torch.full((1,), scale_init))
 
-    @staticmethod
-    def expand(x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1])
+    expand = staticmethod(lambda x, n: expand_streams(x, n))
 
     @staticmethod
     def reduce(h: torch.Tensor) -> torch.Tensor:
@@ -229,6 +227,11 @@ class HyperConnections(nn.Module):
         mixed = torch.einsum("...sd,...sk->...kd", h, alpha.to(h.dtype))  # (..., 1 + n, d)
         out = self.branch(mixed[..., 0, :])
         return mixed[..., 1:, :] + beta.to(h.dtype).unsqueeze(-1) * out.unsqueeze(-2)
+
+
+def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(..., d) -> (..., n, d): the embedding copied into n streams (a view, no copy)."""
+    return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1])
 
 
 def sinkhorn(logits: torch.Tensor, iterations: int, order: str = "columns_first") -> torch.Tensor:
@@ -268,9 +271,7 @@ class ManifoldHyperConnections(nn.Module):
         self.bias_post = nn.Parameter(torch.zeros(n))
         self.bias_res = nn.Parameter(torch.zeros(n, n))
 
-    @staticmethod
-    def expand(x: torch.Tensor, n: int) -> torch.Tensor:
-        return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1])
+    expand = staticmethod(lambda x, n: expand_streams(x, n))
 
     @staticmethod
     def reduce(h: torch.Tensor) -> torch.Tensor:
