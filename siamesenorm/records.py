@@ -101,6 +101,20 @@ class StabilityConfig:
     converge_window: int = 20
 
 
+def stability_problem(cfg: StabilityConfig) -> Optional[str]:
+    """The first setting of ``stability:`` the rules cannot run with, as one sentence; None when all are valid."""
+    for name, value, ok, rule in (
+        ("patience", cfg.patience, cfg.patience >= 1, ">= 1"),
+        ("spike_window", cfg.spike_window, cfg.spike_window >= 1, ">= 1"),
+        ("spike_factor", cfg.spike_factor, cfg.spike_factor > 1.0, "> 1"),
+        ("grad_spike_factor", cfg.grad_spike_factor, cfg.grad_spike_factor > 1.0, "> 1"),
+        ("converge_window", cfg.converge_window, cfg.converge_window >= 1, ">= 1"),
+    ):
+        if not ok:
+            return f"stability.{name} must be {rule} (got {value})."
+    return None
+
+
 class Diverged(RuntimeError):
     def __init__(self, step: int, reason: str, kind: str = "diverged"):
         super().__init__(f"divergence at step {step}: {reason}")
@@ -113,11 +127,9 @@ class StabilityMonitor:
 
     def __init__(self, cfg: StabilityConfig, vocab_size: int, warmup_steps: int,
                  unigram_loss: Optional[float] = None):
-        if cfg.patience < 1 or cfg.spike_window < 1 or cfg.spike_factor <= 1.0 or cfg.grad_spike_factor <= 1.0:
-            raise ValueError(
-                "stability: patience and spike_window must be >= 1 and spike_factor, grad_spike_factor > 1 "
-                f"(got {cfg.patience}, {cfg.spike_window}, {cfg.spike_factor}, {cfg.grad_spike_factor})."
-            )
+        problem = stability_problem(cfg)
+        if problem:
+            raise ValueError(problem)
         self.cfg = cfg
         self.max_loss = cfg.max_loss if cfg.max_loss is not None else math.log(vocab_size)
         self.grace_steps = cfg.grace_steps if cfg.grace_steps is not None else warmup_steps

@@ -20,7 +20,7 @@ from olmo.exceptions import OLMoConfigurationError
 from olmo.util import clean_opt
 
 from .config import SiameseModelConfig
-from .records import StabilityConfig
+from .records import StabilityConfig, stability_problem
 
 __all__ = ["SiameseTrainConfig", "RunError", "load_config", "expand_paths", "check_data_paths", "validate_run",
            "check_token_files", "unigram_loss"]
@@ -197,12 +197,8 @@ def validate_run(cfg: SiameseTrainConfig) -> None:
     _check(isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0,
            f"optimizer.learning_rate must be a positive number (got {lr}).")
     _check(cfg.optimizer.weight_decay >= 0, f"optimizer.weight_decay must be >= 0 (got {cfg.optimizer.weight_decay}).")
-    s = cfg.stability
-    _check(s.patience >= 1, f"stability.patience must be >= 1 (got {s.patience}).")
-    _check(s.spike_window >= 1, f"stability.spike_window must be >= 1 (got {s.spike_window}).")
-    _check(s.spike_factor > 1.0, f"stability.spike_factor must be > 1 (got {s.spike_factor}).")
-    _check(s.grad_spike_factor > 1.0, f"stability.grad_spike_factor must be > 1 (got {s.grad_spike_factor}).")
-    _check(s.converge_window >= 1, f"stability.converge_window must be >= 1 (got {s.converge_window}).")
+    problem = stability_problem(cfg.stability)
+    _check(problem is None, problem or "")
     _check(cfg.global_train_batch_size >= 1 and cfg.device_train_microbatch_size >= 1,
            "global_train_batch_size and device_train_microbatch_size must be >= 1.")
     try:

@@ -271,7 +271,7 @@ def test_force_save_unsharded_with_fsdp_on_cpu_is_refused_in_one_line():
         cpu_adjustments(cfg)
 
 
-def test_pickle_module_is_what_torch_uses():
+def test_the_payload_runs_when_unpickled_without_checks():
     """The payload class above really executes under an unrestricted load (so the refusal tests can fail)."""
     marker = Path(os.environ.get("TMPDIR", "/tmp")) / f"payload-check-{os.getpid()}"
     Payload.marker = marker
