@@ -9,19 +9,19 @@ zlib stream per novel, each an R serialisation of a character vector, one elemen
 the lines into paragraphs and split each novel into chapters: one JSON line {"text", "source", "chapter"} each.
 """
 
+import argparse
 import gzip
 import json
 import re
-import sys
 import zlib
-
-import rdata
 
 NOVELS = ["sensesensibility", "prideprejudice", "mansfieldpark", "emma", "northangerabbey", "persuasion"]
 CHAPTER = re.compile(r"^\s*(CHAPTER|Chapter)\s+[0-9IVXLC]+\.?\s*$")
 
 
 def load(base):
+    import rdata  # only this script needs it (see above)
+
     index = rdata.conversion.convert(rdata.parser.parse_data(gzip.decompress(open(base + ".rdx", "rb").read())))
     blob = open(base + ".rdb", "rb").read()
     for name in NOVELS:
@@ -47,12 +47,20 @@ def chapters(lines):
             yield text
 
 
-def main(base, out_path):
+def extract(base, out_path):
     with gzip.open(out_path, "wt", encoding="utf-8") as out:
         for name, lines in load(base):
             for i, text in enumerate(chapters(lines)):
                 out.write(json.dumps({"text": text, "source": name, "chapter": i}, ensure_ascii=False) + "\n")
 
 
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("base", help="the package's lazy-load database without its suffix (.../data/Rdata)")
+    parser.add_argument("out_path", help="the .jsonl.gz file to write (one chapter per line)")
+    args = parser.parse_args(argv)
+    extract(args.base, args.out_path)
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    main()

@@ -18,10 +18,28 @@ sys.path.insert(0, str(ROOT))
 from siamesenorm.records import EXIT_DIVERGED, RECORD_NAME  # noqa: E402
 
 
+USAGE = "usage: python scripts/launch.py [torchrun options] CONFIG.yaml [--key=value ...]"
+HELP = f"""{USAGE}
+
+Runs scripts/train.py under torchrun and exits with the run's outcome: 0 when it finished, {EXIT_DIVERGED} when the
+divergence guard stopped it, otherwise torchrun's own status (1 for a crash, 143 after SIGTERM).
+
+  torchrun options   everything before the .yaml, passed to torchrun as is (--nproc_per_node 8, --nnodes 2, ...)
+  CONFIG.yaml        the recipe (configs/*.yaml)
+  --key=value ...    overrides after the .yaml, passed to scripts/train.py (see: python scripts/train.py --help)
+
+MODEL_TYPE and every other environment variable pass through to the workers.
+  MODEL_TYPE=hybrid_pre python scripts/launch.py --nproc_per_node 8 configs/OLMo-1B-hybrid-2e-3.yaml \\
+      --save_folder=runs/OLMo-1B-hybrid_pre"""
+
+
 def main(argv) -> int:
     split = next((i for i, a in enumerate(argv) if a.endswith((".yaml", ".yml"))), None)
+    if split is None and any(a in ("-h", "--help") for a in argv):
+        print(HELP)
+        return 0
     if split is None:
-        print("usage: python scripts/launch.py [torchrun options] CONFIG.yaml [--key=value ...]", file=sys.stderr)
+        print(f"{USAGE}\nerror: no CONFIG.yaml among the arguments; see --help", file=sys.stderr)
         return 2
     torchrun_args, config, overrides = argv[:split], argv[split], argv[split + 1 :]
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, str(ROOT / "scripts" / "train.py"), config,

@@ -32,7 +32,8 @@ def find_records(paths):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", help="run folders, run.json files, or folders searched for run.json")
-    parser.add_argument("--format", choices=[*formats(), "all"], default="markdown")
+    parser.add_argument("--format", choices=[*formats(), "all"], default="markdown",
+                        help="table format (default markdown); all: every format, needs --output")
     parser.add_argument("--output", help="write table1.<md|csv|tex> into this folder instead of printing")
     args = parser.parse_args(argv)
     try:

@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("command", choices=["setup", "patch"])
+    parser.add_argument("command", choices=["setup", "patch"],
+                        help="setup: make OLMo/ with changes.patch applied; patch: regenerate changes.patch")
     parser.add_argument("--dir", default=str(ROOT / "OLMo"), help="where the OLMo checkout lives (default: OLMo/)")
     parser.add_argument("--cache", default=str(ROOT / ".cache" / "sdist"), help="where the sdist is kept")
     args = parser.parse_args()

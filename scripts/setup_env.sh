@@ -11,9 +11,14 @@ fi
 STAMP="$VENV/.siamesenorm-installed"
 WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
-  echo "Installing siamesenorm and its pinned dependencies into $VENV (a few minutes the first time)..."
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -e "$ROOT[dev]"
+  echo "[setup] installing siamesenorm and its pinned dependencies into $VENV (a few minutes the first time;"
+  echo "[setup] the list below is pip's progress, one line per package)"
+  "$VENV/bin/python" -m pip install --quiet --upgrade pip 2>&1 | grep -E "^(ERROR|error)" || true
+  "$VENV/bin/python" -m pip install --progress-bar off -e "$ROOT[dev]" 2>&1 \
+    | grep --line-buffered -E "^(Collecting|Successfully installed|ERROR|error)" | sed -u 's/^/[setup] /' || true
+  "$VENV/bin/python" -c "import siamesenorm, olmo, transformers" \
+    || { echo "[setup] the install failed; see pip's messages above" >&2; exit 1; }
   echo "$WANT" > "$STAMP"
+  echo "[setup] done"
 fi
 export PATH="$VENV/bin:$PATH"

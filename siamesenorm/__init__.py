@@ -5,6 +5,10 @@ Importing the package installs the hook into OLMo's block factory (``olmo.model.
 ai2-olmo installed only ``siamesenorm.nn`` is available.
 """
 
+from .console import silence_known_warnings
+
+silence_known_warnings()  # before OLMo's import, which emits OmegaConf deprecation warnings
+
 try:
     import olmo  # noqa: F401
 except ImportError:  # siamesenorm.nn needs torch alone

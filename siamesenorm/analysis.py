@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 from olmo.model import OLMo
 
+from .checkpoints import checkpoint_folder, load_model  # noqa: F401  (re-exported: analysis.load_model)
 from .topologies.base import TopologyBlock
 
 __all__ = [
@@ -51,32 +52,6 @@ class NotApplicable(Exception):
 
 
 # ---- models and data ------------------------------------------------------------------------------------------------
-def checkpoint_folder(path: str | Path) -> Path:
-    """A checkpoint folder (config.yaml + model.pt or rank*.pt) from itself or from a run folder (its latest)."""
-    folder = Path(path)
-    if (folder / "config.yaml").is_file() and ((folder / "model.pt").is_file() or list(folder.glob("rank*.pt"))):
-        return folder
-    from olmo.util import find_latest_checkpoint
-
-    latest = find_latest_checkpoint(folder) if folder.is_dir() else None
-    if latest is None:
-        raise FileNotFoundError(f"{folder}: no OLMo checkpoint here or in its step*/ folders; train with save_interval set.")
-    return Path(latest)
-
-
-def load_model(path: str | Path):
-    """(model in eval mode on CPU, its SiameseTrainConfig) from a checkpoint or run folder."""
-    from .checkpoints import load_model_state, load_saved_config
-    from .model import build_model
-
-    folder = checkpoint_folder(path)
-    cfg = load_saved_config(folder / "config.yaml")
-    cfg.model.init_device = "cpu"
-    model = build_model(cfg.model, cfg.model.model_type or "pre", init_params=False)
-    model.load_state_dict(load_model_state(folder))
-    return model.eval(), cfg
-
-
 def fresh_model(config_path: str, model_type: str, seed: int = 0):
     """A freshly initialised model of a recipe (the initial state of the magnitudes figure)."""
     from .model import build_model
@@ -339,13 +314,26 @@ def run_label(run: str | Path) -> str:
 
 
 def _curve(runs: Sequence[str | Path], key: str) -> Dict:
+    """Per run: the logged steps and values of ``key``, the validation loss at each evaluation, the MODEL_TYPE (for
+    its colour) and what the figure marks (the guard stopped it; its loss spikes), from metrics.jsonl and run.json."""
+    from .figures import run_events
+    from .records import RECORD_NAME
+
     curves = {}
     for run in runs:
-        rows = [r for r in read_metrics(run) if key in r and "step" in r]
+        rows = read_metrics(run)
+        logged = [r for r in rows if key in r and "step" in r]
+        evals = [(r["step"], next((v for k, v in r["eval"].items() if k.endswith("/CrossEntropyLoss")), None))
+                 for r in rows if isinstance(r.get("eval"), dict)]
+        folder = Path(run) if Path(run).is_dir() else Path(run).parent
+        record = json.loads((folder / RECORD_NAME).read_text()) if (folder / RECORD_NAME).is_file() else {}
         label = run_label(run)
         if label in curves:
             label = f"{label} ({Path(run).name})"
-        curves[label] = {"run": str(run), "steps": [r["step"] for r in rows], key: [r[key] for r in rows]}
+        curves[label] = {"run": str(run), "model_type": record.get("model_type"), **run_events(record),
+                         "steps": [r["step"] for r in logged], key: [r[key] for r in logged],
+                         "val_steps": [s for s, v in evals if v is not None],
+                         "val_loss": [v for s, v in evals if v is not None]}
     return {"metric": key, "runs": curves}
 
 
@@ -357,58 +345,4 @@ def loss_curves(runs: Sequence[str | Path]) -> Dict:
     return _curve(runs, "loss")
 
 
-# ---- plots -----------------------------------------------------------------------------------------------------------
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
-def plot(tool: str, result: Dict, path: str | Path, smooth: int = 1) -> None:
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    if tool == "magnitudes":
-        for name, values in result["rms"].items():
-            ax.plot(result["layers"], values, marker="o", label=name)
-        ax.set(xlabel="layer (0 = embedding)", ylabel="hidden-state RMS", yscale="log",
-               title=f"Hidden-state magnitude, {result['model_type']}")
-    elif tool == "stream-ratios":
-        for sub, values in result["ratio_x_over_y"].items():
-            ax.plot(result["layers"], [float("nan") if v is None else v for v in values], marker="o", label=sub)
-        ax.axhline(1.0, color="grey", lw=0.5)
-        ax.set(xlabel="layer", ylabel="input scale X / Y", title=f"Stream input-scale ratio, {result['model_type']}")
-    elif tool == "lens":
-        names = result["streams"]
-        x = np.arange(len(names))
-        ax.bar(x - 0.2, [result["match"][n] for n in names], 0.4, label="all positions")
-        ax.bar(x + 0.2, [result["match_where_streams_disagree"][n] or 0.0 for n in names], 0.4,
-               label="where streams disagree")
-        ax.set_xticks(x, [f"{n}\n(fusion {result['fusion_weights'][n]:.2f})" for n in names])
-        ax.set(ylabel="matches the model's prediction", ylim=(0, 1), title=f"Logit lens, {result['model_type']}")
-    elif tool == "depth":
-        n = result["layers"]
-        ax.plot(range(n), result["without_layer"], marker="o", label="one layer removed")
-        ax.plot(range(len(result["without_last_k"])), result["without_last_k"], marker="s", label="last k removed")
-        ax.axhline(result["perplexity"], color="grey", lw=0.5, label="full model")
-        ax.set(xlabel="layer index / k", ylabel="perplexity", yscale="log", title=f"Depth probe, {result['model_type']}")
-    elif tool in ("grad-norms", "loss-curves"):
-        key = result["metric"]
-        for label, curve in result["runs"].items():
-            ys = np.array([np.nan if v is None else v for v in curve[key]], dtype=float)
-            if smooth > 1 and len(ys) >= smooth:
-                ys = np.convolve(ys, np.ones(smooth) / smooth, mode="valid")
-                xs = curve["steps"][smooth - 1 :]
-            else:
-                xs = curve["steps"]
-            ax.plot(xs, ys, label=label, lw=1)
-        ax.set(xlabel="step", ylabel="gradient norm" if key == "grad_norm" else "training loss",
-               yscale="log" if key == "grad_norm" else "linear")
-    else:
-        raise ValueError(f"no plot for {tool}")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+from .figures import plot  # noqa: E402,F401  (analysis.plot: the figure for a tool's result)

@@ -182,3 +182,28 @@ def load_model_state(checkpoint_dir: str | Path) -> Dict[str, torch.Tensor]:
             )
         return model_state
     raise FileNotFoundError(f"{folder} holds neither model.pt nor rank*.pt: not an OLMo checkpoint folder.")
+
+
+def checkpoint_folder(path: str | Path) -> Path:
+    """A checkpoint folder (config.yaml + model.pt or rank*.pt) from itself or from a run folder (its latest)."""
+    folder = Path(path)
+    if (folder / "config.yaml").is_file() and ((folder / "model.pt").is_file() or list(folder.glob("rank*.pt"))):
+        return folder
+    from olmo.util import find_latest_checkpoint
+
+    latest = find_latest_checkpoint(folder) if folder.is_dir() else None
+    if latest is None:
+        raise FileNotFoundError(f"{folder}: no OLMo checkpoint here or in its step*/ folders; train with save_interval set.")
+    return Path(latest)
+
+
+def load_model(path: str | Path):
+    """(model in eval mode on CPU, its SiameseTrainConfig) from a checkpoint or run folder."""
+    from .model import build_model
+
+    folder = checkpoint_folder(path)
+    cfg = load_saved_config(folder / "config.yaml")
+    cfg.model.init_device = "cpu"
+    model = build_model(cfg.model, cfg.model.model_type or "pre", init_params=False)
+    model.load_state_dict(load_model_state(folder))
+    return model.eval(), cfg

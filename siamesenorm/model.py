@@ -27,7 +27,7 @@ def build_model(model_config: ModelConfig, model_type: Optional[str] = None, ini
     validate_model_config(model_config, resolved)
     if getattr(model_config, "model_type", None) not in (None, resolved):
         log.warning("MODEL_TYPE=%s (from %s) overrides model.model_type=%s", resolved, source, model_config.model_type)
-    log.info("MODEL_TYPE=%s (from %s)", resolved, source)
+    log.debug("MODEL_TYPE=%s (from %s)", resolved, source)
     config = as_siamese_config(model_config, model_type=resolved)
     with forced_model_type(resolved):
         return OLMo(config, init_params=init_params)

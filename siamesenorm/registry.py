@@ -77,7 +77,7 @@ def block_for(layer_id: int, config: ModelConfig, cache: BufferCache) -> Optiona
     model_type, source = resolve_model_type(config, _forced.get())
     validate_model_config(config, model_type)
     if layer_id == 0:
-        log.info("Building OLMo blocks with MODEL_TYPE=%s (from %s)", model_type, source)
+        log.debug("Building OLMo blocks with MODEL_TYPE=%s (from %s)", model_type, source)
     cls = block_class(model_type)
     return None if cls is None else cls(layer_id, config, cache)
 

@@ -208,8 +208,8 @@ def validate_run(cfg: SiameseTrainConfig) -> None:
     except ValueError:
         raise RunError(f"max_duration {cfg.max_duration!r} is not steps (300), tokens (2e9T) or epochs (1ep).") from None
     _check(cfg.save_folder is not None, "save_folder is not set; pass --save_folder=runs/NAME.")
-    if cfg.compile is not None:
-        raise RunError("compile: is not supported by this entry point yet (docs/training.md); remove it from the config.")
+    if cfg.compile is not None and str(cfg.distributed_strategy) == "fsdp":
+        _check(cfg.fsdp.use_orig_params, "compile: with FSDP needs fsdp.use_orig_params: true (set it, or drop compile:).")
 
 
 def check_batch_split(cfg: SiameseTrainConfig, world_size: int) -> None:

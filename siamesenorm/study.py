@@ -12,17 +12,12 @@ import statistics
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import numpy as np
+
 from .records import RECORD_NAME
 from .tables import METHOD_NAMES, build_table, format_lr, method_name, to_markdown
 
 __all__ = ["load_cells", "report", "figures"]
-
-#: One colour per method in every figure.
-COLOURS = {"pre": "tab:blue", "post": "tab:orange", "hybrid": "tab:red", "hc": "tab:purple",
-           "post_pre": "tab:olive", "hybrid_pre": "tab:green", "deepnorm": "tab:brown", "residual": "tab:pink",
-           "mixln": "tab:gray", "peri": "tab:cyan", "mhc": "black", "hybrid_star": "darkred",
-           "pre_embednorm": "navy"}
-
 
 def load_cells(results: str | Path) -> List[Dict]:
     """Every finished or diverged cell: its record, metrics rows and analyses."""
@@ -108,11 +103,12 @@ def report(results: str | Path) -> Dict:
 
 
 def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int = 20) -> List[Path]:
-    """Loss curves per learning rate (figure 2b/4), gradient norms (figure 5), hidden-state magnitudes at the middle
-    rate (figure 2a) and stream ratios (figure 6), one colour per method throughout."""
-    from .analysis import _pyplot
+    """Training loss, validation loss and gradient norms per learning rate (figures 2b/4 and 5), hidden-state
+    magnitudes at the middle rate (figure 2a) and stream ratios (figure 6); conventions: siamesenorm/figures.py."""
+    from .figures import (colour, integer_ticks, mark_events, method_label, moving_average, pyplot, readable_log,
+                          run_events, save, stream_label)
 
-    plt = _pyplot()
+    plt = pyplot()
     cells = load_cells(results)
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -125,69 +121,82 @@ def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int 
         if k not in first_seed or c["record"].get("seed", 0) < first_seed[k]["record"].get("seed", 0):
             first_seed[k] = c
     seed_one = list(first_seed.values())
-    for key, ylabel, log in (("loss", "training loss", False), ("grad_norm", "gradient norm", True)):
-        fig, axes = plt.subplots(1, len(lrs), figsize=(4.0 * len(lrs), 3.4), sharey=True, squeeze=False)
+    panels = (("loss", "training loss", smooth, "loss"), ("val_loss", "validation loss", 1, "val-loss"),
+              ("grad_norm", "gradient norm", smooth, "grad-norms"))
+    for key, ylabel, window, name in panels:
+        fig, axes = plt.subplots(1, len(lrs), figsize=(3.6 * len(lrs), 3.6), sharey=True, squeeze=False)
         for ax, lr in zip(axes[0], lrs):
             for c in (c for c in seed_one if c["record"]["learning_rate"] == lr):
-                rows = [r for r in c["rows"] if r.get(key) is not None]
-                ys = [r[key] for r in rows]
-                xs = [r["step"] for r in rows]
-                if smooth > 1 and len(ys) > smooth:
-                    ys = [statistics.mean(ys[i - smooth + 1 : i + 1]) for i in range(smooth - 1, len(ys))]
-                    xs = xs[smooth - 1 :]
+                if key == "val_loss":
+                    rows = [(r["step"], v) for r in c["rows"] if isinstance(r.get("eval"), dict)
+                            for k, v in r["eval"].items() if k.endswith("/CrossEntropyLoss")]
+                else:
+                    rows = [(r["step"], r[key]) for r in c["rows"] if r.get(key) is not None]
+                if not rows:
+                    continue
+                xs, ys = moving_average([x for x, _ in rows], [y for _, y in rows], window)
                 mt = c["record"]["model_type"]
-                ax.plot(xs, ys, lw=1, color=COLOURS.get(mt), label=METHOD_NAMES.get(mt, mt))
-                if c["record"]["status"] == "diverged" and xs:
-                    ax.plot(xs[-1], ys[-1], marker="x", color=COLOURS.get(mt), ms=8, mew=2)
-            ax.set(title=f"lr {format_lr(lr)}", xlabel="step", yscale="log" if log else "linear")
-        axes[0][0].set_ylabel(ylabel + (f" ({smooth}-step mean)" if smooth > 1 else ""))
+                ax.plot(xs, ys, lw=1, color=colour(mt), label=method_label(mt),
+                        marker="o" if key == "val_loss" else None, ms=3)
+                if key != "val_loss":
+                    mark_events(ax, xs, [None if math.isnan(y) else float(y) for y in ys], run_events(c["record"]),
+                                colour(mt))
+            ax.set(title=f"lr {format_lr(lr)}", xlabel="step")
+            if key == "grad_norm":
+                ax.set_yscale("log")
+                readable_log(ax)
+        axes[0][0].set_ylabel(ylabel)
         handles = {}
         for ax in axes[0]:
             for h, label in zip(*ax.get_legend_handles_labels()):
                 handles.setdefault(label, h)
-        fig.legend(list(handles.values()), list(handles), fontsize=7, loc="lower center", ncol=len(handles))
-        fig.suptitle("x: the guard stopped the run (diverged or failed to converge)", fontsize=8)
-        fig.tight_layout(rect=(0, 0.08, 1, 1))
-        path = out / f"study-{'loss' if key == 'loss' else 'grad-norms'}.{fmt}"
-        fig.savefig(path, dpi=120)
-        plt.close(fig)
-        written.append(path)
+        if not handles:  # nothing to draw (e.g. no evaluations logged)
+            plt.close(fig)
+            continue
+        order = [method_label(mt) for mt in METHOD_NAMES]  # the same legend order in every figure
+        handles = dict(sorted(handles.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99))
+        fig.legend(list(handles.values()), list(handles), fontsize=7, loc="upper center", ncol=len(handles),
+                   bbox_to_anchor=(0.5, 1.0))
+        fig.tight_layout(rect=(0, 0.05, 1, 0.93))
+        how = f"trailing mean over {window} logged steps" if window > 1 else "each evaluation, unsmoothed"
+        marks = "" if key == "val_loss" else (" x: the guard stopped the run (diverged or failed to converge); "
+                                              "triangles: loss spikes.")
+        written.append(save(fig, out / f"study-{name}.{fmt}", f"{ylabel}: {how}; seed 1 of each cell.{marks}",
+                            layout=False))
     middle = lrs[len(lrs) // 2 - 1] if lrs else None
-    mags = [c for c in seed_one if c["record"]["learning_rate"] == middle and c["analysis"].get("magnitudes", {}).get("applies")]
+    mags = [c for c in seed_one
+            if c["record"]["learning_rate"] == middle and c["analysis"].get("magnitudes", {}).get("applies")]
     if mags:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
+        mags.sort(key=lambda c: list(METHOD_NAMES).index(c["record"]["model_type"]))
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
         for c in mags:
             mt = c["record"]["model_type"]
-            for i, (stream, values) in enumerate(c["analysis"]["magnitudes"]["rms"].items()):
-                label = METHOD_NAMES.get(mt, mt) + ("" if len(c["analysis"]["magnitudes"]["rms"]) == 1 else
-                                                    f", {'bounded stream X' if i == 0 else 'stream ' + str(i + 1)}"
-                                                    if mt not in ("post_pre", "hybrid_pre") else
-                                                    f", {'X (bounded)' if i == 0 else 'Y (Pre-Norm)'}")
-                ax.plot(range(len(values)), values, color=COLOURS.get(mt), ls="-" if i == 0 else "--", marker="o",
+            streams = list(c["analysis"]["magnitudes"]["rms"].items())
+            for i, (stream, values) in enumerate(streams):
+                label = method_label(mt) + ("" if len(streams) == 1 else f": {stream_label(stream)}")
+                ax.plot(range(len(values)), values, color=colour(mt), ls=("-", "--", ":", "-.")[i % 4], marker="o",
                         ms=3, label=label)
         ax.set(xlabel="layer (0 = embedding)", ylabel="hidden-state RMS", yscale="log",
                title=f"Hidden-state magnitude after training, lr {format_lr(middle)}")
-        written.append(_finish_layer_figure(plt, fig, ax, out / f"study-magnitudes.{fmt}"))
+        integer_ticks(ax)
+        readable_log(ax)
+        ax.legend(fontsize=6)
+        written.append(save(fig, out / f"study-magnitudes.{fmt}", "RMS over tokens and features after each layer, "
+                            "on 32 validation sequences; the final checkpoint of each run."))
     ratios = [c for c in seed_one if c["analysis"].get("stream_ratios", {}).get("applies")
               and c["record"]["model_type"] == "hybrid_pre"]
     if ratios:
-        fig, ax = plt.subplots(figsize=(6.4, 4.2))
-        for c in ratios:
+        fig, ax = plt.subplots(figsize=(6.4, 4.4))
+        shades = plt.get_cmap("Greens")(np.linspace(0.45, 1.0, len(ratios)))
+        for c, shade in zip(sorted(ratios, key=lambda c: c["record"]["learning_rate"]), shades):
             r = c["analysis"]["stream_ratios"]
             for sub, ls in (("attention", "-"), ("mlp", "--")):
                 ax.plot(r["layers"], [math.nan if v is None else v for v in r["ratio_x_over_y"][sub]], ls=ls,
-                        marker="o", ms=3, label=f"lr {format_lr(c['record']['learning_rate'])}, {sub}")
+                        marker="o", ms=3, color=shade, label=f"lr {format_lr(c['record']['learning_rate'])}, {sub}")
         ax.axhline(1.0, color="grey", lw=0.5)
         ax.set(xlabel="layer", ylabel="input scale X / Y", title="SiameseNorm: X / Y input-scale ratio per layer")
-        written.append(_finish_layer_figure(plt, fig, ax, out / f"study-stream-ratios.{fmt}"))
+        integer_ticks(ax)
+        ax.legend(fontsize=6)
+        written.append(save(fig, out / f"study-stream-ratios.{fmt}", "Learned scale of the bounded stream's input "
+                            "over the Pre-Norm stream's, per sublayer (paper figure 6); darker: higher lr."))
     return written
-
-
-def _finish_layer_figure(plt, fig, ax, path: Path) -> Path:
-    """Integer layer ticks, a legend, saved and closed."""
-    ax.xaxis.get_major_locator().set_params(integer=True)
-    ax.legend(fontsize=6)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return path

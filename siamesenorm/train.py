@@ -23,9 +23,11 @@ import signal
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import numpy as np
 from omegaconf import OmegaConf as om
 
 from .checkpoints import allow_checkpoint_types, refuse_unsafe
+from .console import attach_run_log, detach_run_logs
 from .config import validate_model_config
 from .model import build_model, num_params_from_config
 from .records import EXIT_DIVERGED, RECORD_NAME, Diverged, StabilityMonitor, config_hash, recipe_hash, variant_knobs
@@ -44,6 +46,7 @@ from .runfolder import check_resume_model, clear_run_folder, plan_run, resolve_r
 from .trainer import (
     SiameseTrainer,
     build_optimizer_with_coefficients,
+    compile_blocks,
     cpu_adjustments,
     init_distributed,
     optimizer_param_groups,
@@ -105,14 +108,23 @@ def dry_run(cfg: SiameseTrainConfig, model_type: str, action: str, load_path: Op
 # ---- the run ------------------------------------------------------------------------------------------------------
 def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = False) -> int:
     cfg = load_config(config_path, overrides)
+    if not any(o.startswith(("--run_name=", "--run_name")) for o in overrides or []):
+        cfg.run_name = Path(cfg.save_folder).name  # one name per run folder, not the recipe's for every run
     model_type, source, load_path, action = prepare(cfg)
-    log.info("MODEL_TYPE=%s (from %s)", model_type, source)
     if dry or cfg.dry_run:  # the config, the parameters and the plan first, then the data as a real start checks it
         dry_run(cfg, model_type, action, load_path)
         check_data(cfg)
         return 0
     check_data(cfg)
+    try:
+        return train(cfg, config_path, model_type, source, load_path, action)
+    finally:
+        detach_run_logs()
 
+
+def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: str, load_path: Optional[str],
+          action: str) -> int:
+    """Set up the process group, the run folder, wandb, data, model and optimizer; then ``run``."""
     device = init_distributed()
     allow_checkpoint_types()  # torch.load keeps weights_only=True; OLMo's trainer state needs these types
     from olmo.data import build_train_dataloader
@@ -145,7 +157,7 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
         if action == "resume":
             log.info("resuming %s from %s", folder, load_path)
         folder.mkdir(parents=True, exist_ok=True)
-        log.info("MODEL_TYPE=%s; configuration:\n%s", model_type, om.to_yaml(om.structured(cfg)))
+        console_log = attach_run_log(folder)
         if action != "resume":
             cfg.save(folder / "config.yaml")
     barrier()
@@ -184,8 +196,14 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
     barrier()
 
     olmo_model = build_model(cfg.model, model_type)
-    log.info("Total number of parameters: %s", f"{olmo_model.num_params():,d}")
+    if get_global_rank() == 0:
+        for line in describe_run(cfg, model_type, source, olmo_model.num_params(), action, load_path, console_log):
+            log.info(line)
     olmo_model.set_activation_checkpointing(cfg.activation_checkpointing)
+    if cfg.compile is not None:
+        n = compile_blocks(olmo_model, cfg.compile.asdict())
+        log.info("compile: %d blocks compiled with %s (the first steps are slow while they compile)", n,
+                 {k: v for k, v in cfg.compile.asdict().items() if v is not None})
     dist_model = wrap_model(cfg, olmo_model, device, get_local_rank())
 
     optim = build_optimizer_with_coefficients(cfg, dist_model)
@@ -269,7 +287,7 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
         trainer.save_record("diverged", diverged_at_step=diverged.step, divergence=diverged.reason,
                             divergence_kind=diverged.kind)
         if get_global_rank() == 0:
-            print(f"diverged at step {diverged.step}: {diverged.reason}; record: {record_path}", flush=True)
+            log.warning("diverged at step %d: %s; record: %s", diverged.step, diverged.reason, record_path)
         return EXIT_DIVERGED
     except BaseException as err:  # an error, an interrupt or a signal: the record says the run ended early
         trainer.save_record("stopped", error=f"{type(err).__name__}: {err}"[:500])
@@ -279,6 +297,30 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
     if get_global_rank() == 0:
         report(trainer)
     return 0
+
+
+def describe_run(cfg: SiameseTrainConfig, model_type: str, source: str, n_params: int, action: str,
+                 load_path: Optional[str], console_log: Path) -> List[str]:
+    """The lines a run prints once before its first step: what trains, on what, and where its files go."""
+    how = {"default": "the default; set MODEL_TYPE=... to choose"}.get(source, f"from {source}")
+    tokens_per_step = cfg.global_train_batch_size * cfg.model.max_sequence_length
+    folder = Path(cfg.save_folder)
+    start = {"resume": f"resuming from {load_path}", "load": f"starting from the weights in {load_path}"}.get(
+        action, "starting from step 0")
+    paths = [str(p) for p in (cfg.data.paths or [])] + [
+        str(p) for group in (cfg.data.datasets or {}).values() for p in group]
+    data = f"{len(paths)} token file(s)"
+    if paths and all("://" not in p for p in paths):
+        tokens = sum(os.path.getsize(p) for p in paths) // np.dtype(str(cfg.data.memmap_dtype)).itemsize
+        data += f" in {os.path.commonpath(paths) if len(paths) > 1 else paths[0]} ({tokens:,d} tokens)"
+    duration = str(cfg.max_duration)
+    duration = f"{duration} steps" if duration.isdigit() else duration
+    return [
+        f"MODEL_TYPE={model_type} ({how}); {n_params:,d} parameters; {cfg.model.n_layers} layers x d_model "
+        f"{cfg.model.d_model}",
+        f"data: {data}; {tokens_per_step:,d} tokens a step; {duration}, {start}",
+        f"run folder: {folder} (config.yaml, {RECORD_NAME}, metrics.jsonl, {console_log.name}, checkpoints)",
+    ]
 
 
 def warmup_steps(cfg: SiameseTrainConfig) -> int:
@@ -324,5 +366,5 @@ def report(trainer: SiameseTrainer) -> None:
     ppl = {k: v for k, v in trainer.last_eval_metrics.items() if k.endswith("/Perplexity")}
     for key, value in ppl.items():
         line += f" | {key.split('/')[1]} perplexity: {value:.2f}"
-    print(line, flush=True)
+    log.info(line)
 

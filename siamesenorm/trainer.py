@@ -24,13 +24,14 @@ import torch.distributed as dist
 from olmo.config import DistributedStrategy, ShardedCheckpointerType
 from olmo.train import Trainer
 
+from .console import eval_line, step_line
 from .records import Diverged, StabilityMonitor, split_eval_metrics, write_record
 from .runconfig import RunError, SiameseTrainConfig
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SiameseTrainer", "init_distributed", "cpu_adjustments", "wrap_model", "optimizer_param_groups",
-           "build_optimizer_with_coefficients"]
+           "build_optimizer_with_coefficients", "compile_blocks"]
 
 
 class SiameseTrainer(Trainer):
@@ -125,7 +126,13 @@ class SiameseTrainer(Trainer):
             f.write(json.dumps(record) + "\n")
 
     def log_metrics_to_console(self, prefix: str, metrics: Dict[str, float]):
-        super().log_metrics_to_console(prefix, metrics)
+        """One console line per logged step or evaluation (console.py) instead of OLMo's line per metric."""
+        if prefix.startswith("[step="):
+            log.info(step_line(self.global_step, self.max_steps, metrics))
+        elif prefix == "Pre-train system metrics":
+            pass
+        else:
+            log.info(eval_line(prefix, self.global_step, metrics))
         if prefix.startswith("[step="):
             self.last_train_metrics = dict(metrics)
             self.write_metrics(
@@ -175,6 +182,17 @@ class SiameseTrainer(Trainer):
         torch.set_rng_state(rng_state["torch"])
         if torch.cuda.is_available() and rng_state.get("cuda") is not None and rng_state["cuda"].numel():
             torch.cuda.set_rng_state(rng_state["cuda"])
+
+
+def compile_blocks(model: torch.nn.Module, options: Dict[str, Any]) -> int:
+    """``torch.compile`` each transformer block in place with the config's ``compile:`` options (mode, fullgraph,
+    backend, dynamic), as OLMo compiles per block; embedding, final norm and loss stay eager. Returns the count."""
+    from olmo.model import OLMoBlock
+
+    blocks = [m for m in model.modules() if isinstance(m, OLMoBlock)]
+    for block in blocks:
+        block.compile(**{k: v for k, v in options.items() if v is not None})
+    return len(blocks)
 
 
 # ---- distributed set-up -------------------------------------------------------------------------------------------

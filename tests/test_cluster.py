@@ -231,7 +231,8 @@ def test_truncated_or_misread_token_files_are_refused_against_the_manifest(tmp_p
     (["--stability.patience=0"], "stability.patience must be >= 1"),
     (["--max_duration", "2"], "write --max_duration=2"),
     (["--no_such_field=1"], "Key 'no_such_field' not in 'SiameseTrainConfig'"),
-    (["--compile.fullgraph=true"], "compile: is not supported"),
+    (["--compile.fullgraph=true", "--distributed_strategy=fsdp", "--fsdp.use_orig_params=false"],
+     "compile: with FSDP needs fsdp.use_orig_params: true"),
 ])
 def test_bad_values_are_one_line_from_dry_run(tmp_path, data, overrides, expected):
     from siamesenorm.runconfig import RunError

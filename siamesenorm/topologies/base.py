@@ -9,9 +9,11 @@ everything that happens between blocks (KV cache, activation checkpointing, FSDP
 
 from __future__ import annotations
 
+import os
 from typing import Callable, ClassVar, Optional, Tuple
 
 import torch
+from torch.utils.checkpoint import checkpoint
 from olmo.config import ModelConfig
 from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
 
@@ -53,6 +55,14 @@ def sequential_block_params(config: ModelConfig) -> int:
         affine = config.attention_layer_norm_with_affine
         n += norm_params(config, d, affine) + norm_params(config, config.effective_n_kv_heads * head_dim, affine)
     return n
+
+
+#: Recompute the cheap parts of the variants' blocks in backward instead of saving their intermediates: every norm
+#: (which saves its input, the normalised tensor and the statistics; recomputed, only the input is kept, and the
+#: residual stream holds it anyway) and hc/mhc's width connections (the stream mixing). Exact: backward reruns
+#: the same ops, so losses and gradients are bit-identical. It cuts the multi-stream variants' activation memory
+#: (docs/performance.md); ``pre`` is OLMo's own block and is unaffected. SIAMESENORM_RECOMPUTE=0 turns it off.
+RECOMPUTE = os.environ.get("SIAMESENORM_RECOMPUTE", "1") != "0"
 
 
 class TopologyBlock(OLMoSequentialBlock):
@@ -153,8 +163,20 @@ class TopologyBlock(OLMoSequentialBlock):
             h = self.norm(out_norm, h)
         return self.dropout(h)
 
-    def norm(self, module: LayerNormBase, x: torch.Tensor) -> torch.Tensor:
-        return self.ckpt(module, x)
+    def norm(self, module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``module(x)``; in training recomputed in backward (RECOMPUTE), or under OLMo's fine-grained activation
+        checkpointing when that is on."""
+        if self._activation_checkpoint_fn is not None:
+            return self._activation_checkpoint_fn(module, x)
+        return self.recompute(module, x)
+
+    @staticmethod
+    def recompute(fn: Callable, *args: torch.Tensor):
+        """``fn(*args)``, its intermediates recomputed in backward instead of saved when RECOMPUTE is on and
+        autograd records (``fn`` must be deterministic: no dropout)."""
+        if RECOMPUTE and torch.is_grad_enabled() and any(a.requires_grad for a in args):
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+        return fn(*args)
 
     # ---- stacked streams --------------------------------------------------------------------------------
     def split_streams(self, x: torch.Tensor) -> list[torch.Tensor]:
@@ -221,12 +243,12 @@ class ConnectedStreamsBlock(TopologyBlock):
         else:
             h = x.unflatten(-1, (self.n_streams, -1))
         attn_conn, ff_conn = (getattr(self, name) for name in self.connection_names)
-        inp, carried, weights = attn_conn.width(h)
+        inp, carried, weights = self.recompute(attn_conn.width, h)
         att, cache = self.attention_branch(
             self.norm(self.attn_norm, inp), attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens
         )
         h = self.depth(carried, weights, att)
-        inp, carried, weights = ff_conn.width(h)
+        inp, carried, weights = self.recompute(ff_conn.width, h)
         h = self.depth(carried, weights, self.mlp_branch(self.norm(self.ff_norm, inp)))
         return self.finish(list(h.unbind(-2))), cache  # the last block fuses the streams (contributions)
 

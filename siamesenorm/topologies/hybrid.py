@@ -37,9 +37,9 @@ class QKVHeadNormAttention(TopologyBlock):
         self.v_head_norm = self.new_norm(self.head_dim, elementwise_affine=affine)
 
     def attention(self, q, k, v, *args, **kwargs):
-        q = _per_head(self.q_head_norm, q, self.head_dim)
-        k = _per_head(self.k_head_norm, k, self.head_dim)
-        v = _per_head(self.v_head_norm, v, self.head_dim)
+        q = self.norm(lambda t: _per_head(self.q_head_norm, t, self.head_dim), q)
+        k = self.norm(lambda t: _per_head(self.k_head_norm, t, self.head_dim), k)
+        v = self.norm(lambda t: _per_head(self.v_head_norm, t, self.head_dim), v)
         return super().attention(q, k, v, *args, **kwargs)  # RoPE is applied in there, after our norms
 
     @classmethod

@@ -1,0 +1,52 @@
+"""What each MODEL_TYPE costs against Pre-Norm: step time, tokens/s, activation memory, parameters, FLOPs per
+token (and on CUDA peak memory and MFU), eager and with compiled blocks. Logic and method: siamesenorm/benchmark.py.
+
+  python scripts/benchmark.py                                   # pre vs hybrid_pre, the CPU default size
+  python scripts/benchmark.py --model-types all --json bench.json
+  python scripts/benchmark.py --recipe configs/OLMo-1B-2e-3.yaml --layers 2 --batch 1 --seq 512   # 1.3B width
+  torchrun is not needed: one process, one device (a GPU when there is one)
+"""
+
+import argparse
+import sys
+
+from siamesenorm.config import MODEL_TYPES
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="configs/tiny-cpu.yaml", help="the config whose model is measured")
+    parser.add_argument("--model-types", nargs="+", default=["pre", "hybrid_pre"],
+                        help=f"MODEL_TYPEs to measure, or all ({', '.join(MODEL_TYPES)}); pre is always included")
+    parser.add_argument("--layers", type=int, default=None, help="cut the recipe to this many layers")
+    parser.add_argument("--d-model", type=int, default=None, help="another width than the recipe's")
+    parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
+    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    parser.add_argument("--repeats", type=int, default=7, help="timings per variant, interleaved (default 7)")
+    parser.add_argument("--steps-per-timing", type=int, default=2, help="training steps in one timing (default 2)")
+    parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"],
+                        help="eager, compiled (each block with torch.compile, fullgraph) or both (default)")
+    parser.add_argument("--json", help="also write the full result (settings and every measurement) here")
+    args = parser.parse_args(argv)
+    types = list(MODEL_TYPES) if args.model_types == ["all"] else args.model_types
+    unknown = [t for t in types if t not in MODEL_TYPES]
+    if unknown:
+        parser.error(f"unknown MODEL_TYPE {unknown[0]!r}; valid: {', '.join(MODEL_TYPES)} or all")
+    from siamesenorm.benchmark import BenchSettings, run, save, to_markdown
+
+    settings = BenchSettings(recipe=args.recipe, model_types=types, layers=args.layers, d_model=args.d_model,
+                             batch=args.batch, seq=args.seq, repeats=args.repeats,
+                             steps_per_timing=args.steps_per_timing, modes=args.modes)
+    result = run(settings)
+    s = result["settings"]
+    print(f"{args.recipe}: {s['n_layers']} layers, d_model {s['d_model']}, {args.batch} x {args.seq} tokens a step, "
+          f"{s['device_name']}, {s['threads']} thread(s), torch {s['torch']}; ratios against pre of the same mode")
+    print(to_markdown(result))
+    if args.json:
+        save(result, args.json)
+        print(f"wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

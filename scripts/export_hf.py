@@ -1,0 +1,9 @@
+"""Export a run or checkpoint as a Hugging Face transformers folder. Logic: siamesenorm/hf.py.
+
+  python scripts/export_hf.py --help
+"""
+
+from siamesenorm.cli import export_hf_main
+
+if __name__ == "__main__":
+    export_hf_main()

@@ -1,0 +1,9 @@
+"""Generate text from a run, checkpoint or exported folder. Logic: siamesenorm/hf.py.
+
+  python scripts/generate.py --help
+"""
+
+from siamesenorm.cli import generate_main
+
+if __name__ == "__main__":
+    generate_main()

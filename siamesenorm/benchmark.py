@@ -1,0 +1,234 @@
+"""What each MODEL_TYPE costs, as a ratio to Pre-Norm measured in the same process (scripts/benchmark.py).
+
+For one recipe (its model; optionally fewer layers, another width, batch or sequence length) and a list of
+MODEL_TYPEs, eager and with each block compiled (as training does with ``compile:`` in a config), it measures:
+
+- step time: one training step (forward, backward, AdamW step, zero_grad) timed with ``torch.utils.benchmark``;
+  the variants are interleaved and each is timed ``repeats`` times, and the median and the spread (min to max)
+  are reported, so that a drift of the machine hits every variant alike; tokens/s = tokens per step / median;
+- activation memory: the bytes of the distinct tensors autograd saves for backward in one forward
+  (``torch.autograd.graph.saved_tensors_hooks``; storages counted once; parameters, which are saved too but are
+  not activations, left out). With compiled blocks this counts what the compiled graphs save;
+- parameters; FLOPs per token of forward + backward (``torch.utils.flop_counter``, the matmuls and attention);
+- on CUDA also the peak allocated memory of a step and the model FLOPs utilisation against the device's peak.
+
+Ratios divide by ``pre`` of the same mode (eager by eager, compiled by compiled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from .model import build_model
+
+__all__ = ["BenchSettings", "model_config", "activation_bytes", "flops_per_token", "run", "to_markdown"]
+
+#: Dense bf16 peak FLOP/s by device name (the vendors' datasheets, without sparsity), for MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "V100": 125e12}
+
+
+@dataclasses.dataclass
+class BenchSettings:
+    recipe: str = "configs/tiny-cpu.yaml"
+    model_types: Sequence[str] = ("pre", "hybrid_pre")
+    layers: Optional[int] = None
+    d_model: Optional[int] = None
+    batch: int = 4
+    seq: int = 256
+    repeats: int = 7
+    steps_per_timing: int = 2
+    modes: Sequence[str] = ("eager", "compiled")
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    seed: int = 0
+
+
+def model_config(settings: BenchSettings):
+    """The recipe's model config with the benchmark's cuts applied (fewer layers, another width, the sequence)."""
+    from .runconfig import load_config
+
+    cfg = load_config(settings.recipe).model
+    if settings.layers is not None:
+        cfg.n_layers = settings.layers
+    if settings.d_model is not None:
+        cfg.d_model = settings.d_model
+    cfg.max_sequence_length = max(cfg.max_sequence_length, settings.seq)
+    cfg.init_device = settings.device
+    cfg.flash_attention = False
+    return cfg
+
+
+def _parameter_storages(model: torch.nn.Module) -> set:
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+def activation_bytes(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves for backward while ``loss_fn()`` runs forward
+    (storages counted once, at their full size); backward is run afterwards to free them."""
+    params = _parameter_storages(model)
+    seen: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr != 0:
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn()
+    total = sum(seen.values())
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return total
+
+
+def flops_per_token(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _loss(model, ids).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / ids.numel()
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                             ids[:, 1:].reshape(-1))
+
+
+def _peak_flops() -> Optional[float]:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+class _Variant:
+    """One MODEL_TYPE in one mode: its model, optimizer, batch and a timer of one training step."""
+
+    def __init__(self, model_type: str, mode: str, settings: BenchSettings, cfg):
+        from torch.utils.benchmark import Timer
+
+        torch.manual_seed(settings.seed)
+        self.model_type, self.mode = model_type, mode
+        self.model = build_model(dataclasses.replace(cfg), model_type).train()
+        if mode == "compiled":
+            for block in self.model.transformer.blocks:
+                block.compile(fullgraph=True)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.ids = torch.randint(0, cfg.vocab_size, (settings.batch, settings.seq), device=settings.device)
+        self.step()  # the first step compiles (compiled mode) and allocates the optimizer state
+        self.timer = Timer(stmt="step()", globals={"step": self._steps(settings.steps_per_timing)})
+        self.times: List[float] = []
+        self.settings = settings
+
+    def step(self) -> None:
+        _loss(self.model, self.ids).backward()
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        if self.ids.is_cuda:
+            torch.cuda.synchronize()
+
+    def _steps(self, n: int) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(n):
+                self.step()
+
+        return run
+
+    def time_once(self) -> None:
+        measured = self.timer.timeit(1)
+        self.times.append(measured.median / self.settings.steps_per_timing)
+
+    def result(self) -> Dict:
+        s = self.settings
+        out = {"model_type": self.model_type, "mode": self.mode,
+               "parameters": sum(p.numel() for p in self.model.parameters()),
+               "step_s_median": statistics.median(self.times), "step_s_min": min(self.times),
+               "step_s_max": max(self.times), "repeats": len(self.times),
+               "tokens_per_s": s.batch * s.seq / statistics.median(self.times),
+               "activation_bytes": activation_bytes(self.model, lambda: _loss(self.model, self.ids)),
+               "flops_per_token": flops_per_token(self.model, self.ids) if self.mode == "eager" else None}
+        if self.ids.is_cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.step()
+            out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
+        return out
+
+
+def run(settings: BenchSettings, progress: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> Dict:
+    """Measure every MODEL_TYPE in every mode; returns settings, rows (ratios to pre of the same mode included)."""
+    cfg = model_config(settings)
+    types = list(dict.fromkeys(["pre", *settings.model_types]))  # pre first: the ratios' denominator
+    rows: List[Dict] = []
+    for mode in settings.modes:
+        variants = []
+        for mt in types:
+            started = time.time()
+            variants.append(_Variant(mt, mode, settings, cfg))
+            progress(f"[{mode}] built {mt} ({time.time() - started:.1f} s{', compiled' if mode == 'compiled' else ''})")
+        for r in range(settings.repeats):  # interleaved: each repeat times every variant once
+            for v in variants:
+                v.time_once()
+            progress(f"[{mode}] timing round {r + 1}/{settings.repeats}")
+        for v in variants:
+            rows.append(v.result())
+            progress(f"[{mode}] measured {v.model_type}")
+        del variants
+        gc.collect()
+        if mode == "compiled":
+            torch._dynamo.reset()
+    peak = _peak_flops()
+    for mode in settings.modes:
+        base = next(r for r in rows if r["mode"] == mode and r["model_type"] == "pre")
+        eager = {r["model_type"]: r for r in rows if r["mode"] == "eager"}
+        for r in (r for r in rows if r["mode"] == mode):
+            r["step_time_ratio"] = r["step_s_median"] / base["step_s_median"]
+            r["activation_ratio"] = r["activation_bytes"] / base["activation_bytes"]
+            fpt = (eager.get(r["model_type"]) or {}).get("flops_per_token")
+            r["flops_per_token"] = fpt
+            r["flops_ratio"] = fpt / eager["pre"]["flops_per_token"] if fpt and "pre" in eager else None
+            if "cuda_peak_bytes" in r:
+                r["cuda_peak_ratio"] = r["cuda_peak_bytes"] / base["cuda_peak_bytes"]
+            if peak and fpt:
+                r["mfu"] = fpt * r["tokens_per_s"] / peak
+    return {"settings": {**dataclasses.asdict(settings), "model_types": types, "n_layers": cfg.n_layers,
+                         "d_model": cfg.d_model, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                         "device_name": torch.cuda.get_device_name() if settings.device == "cuda" else "cpu"},
+            "rows": rows}
+
+
+def to_markdown(result: Dict) -> str:
+    rows = result["rows"]
+    cuda = any("cuda_peak_bytes" in r for r in rows)
+    head = ["MODEL_TYPE", "mode", "params", "step ms (min-max)", "x pre", "tokens/s", "activations MiB", "x pre",
+            "GFLOPs/token", "x pre"] + (["peak MiB", "x pre", "MFU"] if cuda else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join([" --- "] * 2 + [" ---: "] * (len(head) - 2)) + "|"]
+    for r in rows:
+        cells = [r["model_type"], r["mode"], f"{r['parameters']:,d}",
+                 f"{1e3 * r['step_s_median']:.1f} ({1e3 * r['step_s_min']:.1f}-{1e3 * r['step_s_max']:.1f})",
+                 f"{r['step_time_ratio']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['activation_bytes'] / 2**20:.1f}",
+                 f"{r['activation_ratio']:.3f}",
+                 "-" if r["flops_per_token"] is None else f"{r['flops_per_token'] / 1e9:.4f}",
+                 "-" if r["flops_ratio"] is None else f"{r['flops_ratio']:.3f}"]
+        if cuda:
+            cells += [f"{r['cuda_peak_bytes'] / 2**20:.0f}", f"{r['cuda_peak_ratio']:.3f}",
+                      "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def save(result: Dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")

@@ -1,0 +1,79 @@
+"""The benchmark (siamesenorm/benchmark.py): its activation counter on a module whose saved tensors are known, and
+a CI-sized run of pre against hybrid_pre, eager and compiled."""
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from siamesenorm import MODEL_TYPES, build_model
+from siamesenorm.benchmark import BenchSettings, activation_bytes, run, to_markdown
+
+
+def test_activation_bytes_counts_saved_tensors_once_and_leaves_out_parameters():
+    model = torch.nn.Linear(4, 8)
+    x = torch.randn(2, 4)
+
+    def loss():
+        h = model(x).relu()  # addmm saves x (2x4) and the weight (a parameter); relu saves its output (2x8)
+        return (h * h).sum()  # mul saves h, the storage relu already saved: counted once
+
+    assert activation_bytes(model, loss) == (2 * 4 + 2 * 8) * 4
+    assert model.weight.grad is None  # backward ran and the gradients were cleared
+
+
+def test_benchmark_reports_ratios_against_pre_in_both_modes():
+    settings = BenchSettings(model_types=["hybrid_pre"], layers=1, d_model=32, batch=1, seq=16, repeats=2,
+                             steps_per_timing=1, modes=["eager", "compiled"], device="cpu")
+    result = run(settings, progress=lambda m: None)
+    rows = {(r["model_type"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {("pre", "eager"), ("hybrid_pre", "eager"), ("pre", "compiled"), ("hybrid_pre", "compiled")}
+    for mode in ("eager", "compiled"):
+        pre, siamese = rows[("pre", mode)], rows[("hybrid_pre", mode)]
+        assert pre["step_time_ratio"] == pre["activation_ratio"] == 1.0
+        assert siamese["activation_bytes"] > pre["activation_bytes"] > 0  # two streams save more than one
+        assert siamese["parameters"] > pre["parameters"]
+        assert siamese["step_s_min"] <= siamese["step_s_median"] <= siamese["step_s_max"]
+        assert siamese["tokens_per_s"] == 16 / siamese["step_s_median"]
+    # the same matmuls: FLOPs per token within a few percent (norms and stream sums are not counted)
+    assert 1.0 <= rows[("hybrid_pre", "eager")]["flops_ratio"] < 1.05
+    assert rows[("pre", "eager")]["flops_per_token"] > 6 * 32 * 32  # at least 6 x (attention + MLP weights)
+    table = to_markdown(result)
+    assert table.count("| hybrid_pre |") == 2 and "MFU" not in table  # no CUDA columns on a CPU
+
+
+def _tiny_loss(model, ids):
+    logits = model(ids).logits
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), ids.reshape(-1))
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_recomputing_norms_and_stream_mixing_is_exact(model_type, monkeypatch):
+    """RECOMPUTE reruns the same ops in backward: the loss and every gradient are bit-identical to saving them."""
+    import siamesenorm.topologies.base as base
+
+    model = build_model(tiny_config(n_layers=3), model_type)
+    ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(2))
+    results = {}
+    for on in (False, True):
+        monkeypatch.setattr(base, "RECOMPUTE", on)
+        model.zero_grad(set_to_none=True)
+        loss = _tiny_loss(model, ids)
+        loss.backward()
+        results[on] = (loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert torch.equal(results[True][0], results[False][0])
+    assert results[True][1].keys() == results[False][1].keys()
+    for name, grad in results[True][1].items():
+        assert torch.equal(grad, results[False][1][name]), name
+
+
+@pytest.mark.parametrize("model_type", ["hybrid_pre", "post_pre", "hc", "mhc"])
+def test_recomputing_cuts_the_multi_stream_variants_activation_memory(model_type, monkeypatch):
+    import siamesenorm.topologies.base as base
+
+    ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(3))
+    saved = {}
+    for on in (False, True):
+        monkeypatch.setattr(base, "RECOMPUTE", on)
+        model = build_model(tiny_config(n_layers=3, d_model=64), model_type)
+        saved[on] = activation_bytes(model, lambda: _tiny_loss(model, ids))
+    assert saved[True] < 0.85 * saved[False], saved

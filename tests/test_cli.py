@@ -1,0 +1,119 @@
+"""The command line as a new user meets it: every script's --help explains every option, training prints what
+runs once and then one line per logged step, the console log lands in the run folder, nothing from our pins warns."""
+
+import argparse
+import json
+import logging
+import runpy
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from siamesenorm.config import MODEL_TYPES
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.name != "launch.py")
+
+
+class _Parser(Exception):
+    def __init__(self, parser):
+        self.parser = parser
+
+
+def _capture(monkeypatch):
+    def stop(self, *args, **kwargs):
+        raise _Parser(self)
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", stop)
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", stop)
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_option_of_every_script_has_help(script, monkeypatch):
+    """The parser each script builds, caught at parse time: every argument and option says what it does."""
+    _capture(monkeypatch)
+    module = runpy.run_path(str(ROOT / "scripts" / script), run_name="help_check")
+    entry = next(v for k, v in module.items() if k.endswith("main") and callable(v))
+    with pytest.raises(_Parser) as caught:
+        entry()
+    parser = caught.value.parser
+    assert parser.description, f"{script}: no description"
+    missing = [a.dest for a in parser._actions if not isinstance(a, argparse._HelpAction)
+               and (not a.help or a.help == argparse.SUPPRESS)]
+    assert not missing, f"{script}: options without help: {missing}"
+
+
+def test_train_help_lists_model_types_and_overrides():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "train.py"), "--help"], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0
+    for name in MODEL_TYPES:
+        assert f"  {name} " in proc.stdout, name
+    assert "--optimizer.learning_rate=" in proc.stdout and "resumes" in proc.stdout
+
+
+def test_launch_help_exits_zero_and_no_config_fails_with_one_line():
+    ok = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch.py"), "--help"], capture_output=True,
+                        text=True, timeout=120)
+    assert ok.returncode == 0 and "torchrun options" in ok.stdout
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "launch.py"), "--nproc_per_node", "2"],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "no CONFIG.yaml" in bad.stderr
+
+
+def test_step_and_eval_lines():
+    from siamesenorm.console import eval_line, step_line
+
+    line = step_line(10, 300, {"train/CrossEntropyLoss": 5.12345, "optim/total_grad_norm": 0.5321,
+                               "optim/learning_rate_group0": 1e-3, "throughput/device/tokens_per_second": 5379.2,
+                               "stability/loss_spikes": 0, "stability/grad_spikes": 2})
+    assert line == "step 10/300 | loss 5.1235 | grad_norm 0.532 | lr 1.00e-03 | 5,379 tok/s | spikes loss 0, grad 2"
+    quiet = step_line(10, 300, {"train/CrossEntropyLoss": 5.0, "stability/loss_spikes": 0})
+    assert "spikes" not in quiet
+    assert eval_line("val", 100, {"eval/val/CrossEntropyLoss": 4.0, "eval/val/Perplexity": 54.598}) == \
+        "eval val at step 100: CrossEntropyLoss 4.0000 | Perplexity 54.60"
+
+
+def test_olmo_narration_is_dropped_but_its_warnings_pass():
+    from siamesenorm.console import QuietOlmo
+
+    f = QuietOlmo()
+
+    def record(name, level, msg):
+        return logging.LogRecord(name, level, __file__, 1, msg, None, None)
+
+    assert not f.filter(record("olmo.train", logging.INFO, "[eval_step=10/-1]"))
+    assert not f.filter(record("olmo.checkpoint", logging.INFO, "Saving model state..."))
+    assert f.filter(record("olmo.train", logging.WARNING, "Saving model state failed"))
+    assert f.filter(record("olmo.train", logging.INFO, "Unsharded checkpoint saved to x"))
+    assert f.filter(record("siamesenorm.train", logging.INFO, "[eval_step=1]"))
+
+
+def test_training_console_is_short_and_saved_in_the_run_folder(tmp_path, austen_prepared):
+    run = tmp_path / "my-run"
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), str(ROOT / "configs" / "tiny-cpu.yaml"),
+           f"--save_folder={run}", "--max_duration=6", "--console_log_interval=2", "--eval_interval=3",
+           "--model.n_layers=2", "--model.d_model=32", "--model.n_heads=2", "--model.max_sequence_length=32"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    console = proc.stdout + proc.stderr
+    lines = console.splitlines()
+    assert "Warning" not in console and "deprecated" not in console  # no warnings from our pins or our code
+    assert len(lines) <= 16, console  # what runs (3 lines), 3 steps, 2 evaluations, the checkpoint, the result
+    assert sum("MODEL_TYPE=pre (the default" in line for line in lines) == 1
+    assert sum(" | loss " in line and "step " in line for line in lines) == 3
+    assert any(f"run folder: {run}" in line for line in lines)
+    assert not any(line.strip().startswith(("eval/", "train/", "optim/")) for line in lines)  # no metric per line
+    saved = (run / "console.log").read_text()
+    for needle in ("MODEL_TYPE=pre", "step 6/6", "eval austen-val at step 6", "final training loss"):
+        assert needle in saved, needle
+    record = json.loads((run / "run.json").read_text())
+    assert record["run_name"] == "my-run"  # the run's own name, not the recipe's
+    assert "data/prepared/austen-2k" in (run / "config.yaml").read_text()  # the full config went to the folder
+
+    again = subprocess.run(cmd + ["--max_duration=8", "--try_load_latest_save"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-3000:]
+    resumed = (run / "console.log").read_text()
+    assert resumed.startswith(saved) and "step 8/8" in resumed  # a resume appends to the same log

@@ -1,0 +1,109 @@
+"""Hugging Face export and generation (siamesenorm/hf.py): for every MODEL_TYPE a run trained through OLMo's Trainer
+exports to a folder that transformers' Auto classes load, with OLMo's logits and OLMo's greedy tokens."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from siamesenorm.config import MODEL_TYPES
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "tiny-cpu.yaml"
+SMALL = ["--model.d_model=32", "--model.n_heads=2", "--model.n_layers=2", "--model.max_sequence_length=32",
+         "--global_train_batch_size=4", "--device_train_microbatch_size=4", "--max_duration=2",
+         "--scheduler.t_warmup=1", "--eval_interval=1000", "--evaluators=[]", "--console_log_interval=1",
+         "--no_pre_train_checkpoint=true"]
+
+
+def trained_run(tmp_path: Path, model_type: str, monkeypatch) -> Path:
+    from siamesenorm.train import main
+
+    monkeypatch.chdir(ROOT)  # the recipe's data and tokenizer paths are relative to the repository
+    monkeypatch.setenv("MODEL_TYPE", model_type)
+    run = tmp_path / f"run-{model_type}"
+    assert main(str(TINY), SMALL + [f"--save_folder={run}"]) == 0
+    return run
+
+
+def greedy_olmo(model, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """Greedy decoding with OLMo's own forward, every position recomputed (no cache): the reference."""
+    out = ids
+    for _ in range(n):
+        logits = model(out).logits[:, -1]
+        out = torch.cat([out, logits.argmax(-1, keepdim=True)], dim=1)
+    return out
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_export_loads_with_auto_classes_and_matches_olmo(tmp_path, monkeypatch, austen_prepared, model_type):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from siamesenorm.checkpoints import load_model
+    from siamesenorm.hf import export
+
+    run = trained_run(tmp_path, model_type, monkeypatch)
+    out = tmp_path / "export"
+    export(run, out)
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "siamesenorm_olmo" and config["olmo"]["model_type"] == model_type
+    assert (out / "model.safetensors").is_file()
+
+    hf_model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    tokenizer = AutoTokenizer.from_pretrained(str(out))
+    olmo_model, cfg = load_model(run)
+    assert {k for k in hf_model.state_dict()} == {f"model.{k}" for k in olmo_model.state_dict()}
+
+    ids = tokenizer("It is a truth universally acknowledged, that", return_tensors="pt").input_ids
+    from siamesenorm.data import load_tokenizer
+    assert ids[0].tolist() == load_tokenizer(str(cfg.tokenizer.identifier)).encode(
+        "It is a truth universally acknowledged, that").ids  # the run's own tokenizer, not a re-made one
+    with torch.no_grad():
+        torch.testing.assert_close(hf_model(ids).logits, olmo_model(ids).logits, rtol=0, atol=1e-6)
+        reference = greedy_olmo(olmo_model, ids, 8)
+        cached = hf_model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=True,
+                                   pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
+        uncached = hf_model.generate(ids, max_new_tokens=8, do_sample=False, use_cache=False,
+                                     pad_token_id=tokenizer.pad_token_id, eos_token_id=None)
+    assert cached.tolist() == reference.tolist()
+    assert uncached.tolist() == reference.tolist()
+
+
+def test_export_refuses_to_overwrite_what_is_not_an_export(tmp_path, monkeypatch, austen_prepared):
+    from siamesenorm.hf import export
+
+    run = trained_run(tmp_path, "pre", monkeypatch)
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    with pytest.raises(FileExistsError, match="not empty"):
+        export(run, out)
+    with pytest.raises(FileExistsError, match="not an earlier export"):
+        export(run, out, overwrite=True)
+    assert (out / "notes.txt").read_text() == "keep me"
+    fresh = tmp_path / "fresh"
+    export(run, fresh)
+    export(run, fresh, overwrite=True)  # an earlier export is replaced when asked
+    assert (fresh / "config.json").is_file()
+
+
+def test_generate_script_from_run_and_from_export_agree(tmp_path, monkeypatch, austen_prepared):
+    from siamesenorm.hf import export
+
+    run = trained_run(tmp_path, "hybrid_pre", monkeypatch)
+    export(run, tmp_path / "export")
+    outputs = []
+    for source in (run, tmp_path / "export"):
+        proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), str(source), "--prompt", "Emma",
+                               "--max-new-tokens", "6"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        outputs.append(proc.stdout)
+    assert outputs[0] == outputs[1] and outputs[0].startswith("Emma")
+    sampled = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), str(run), "--prompt", "Emma",
+                              "--max-new-tokens", "6", "--sample", "--num-samples", "2", "--seed", "3"],
+                             cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert sampled.returncode == 0, sampled.stderr[-3000:]
+    assert sampled.stdout.count("---") == 2
