@@ -20,12 +20,18 @@ def main(argv=None) -> int:
                         help=f"MODEL_TYPEs to measure, or all ({', '.join(MODEL_TYPES)}); pre is always included")
     parser.add_argument("--layers", type=int, default=None, help="cut the recipe to this many layers")
     parser.add_argument("--d-model", type=int, default=None, help="another width than the recipe's")
+    parser.add_argument("--vocab", type=int, default=None,
+                        help="another vocabulary size (a smaller one builds the 1.3B width fast; the embedding and "
+                        "output layer are the same in every variant, so the block overhead shows more, not less)")
     parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
     parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
     parser.add_argument("--repeats", type=int, default=7, help="timings per variant, interleaved (default 7)")
     parser.add_argument("--steps-per-timing", type=int, default=2, help="training steps in one timing (default 2)")
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"],
                         help="eager, compiled (each block with torch.compile, fullgraph) or both (default)")
+    parser.add_argument("--group-size", type=int, default=0,
+                        help="hold at most this many variants (plus pre) in memory at once; each group is timed "
+                        "against its own pre (default 0: all at once; use 2-3 at the 1.3B width on a 24 GB machine)")
     parser.add_argument("--json", help="also write the full result (settings and every measurement) here")
     args = parser.parse_args(argv)
     types = list(MODEL_TYPES) if args.model_types == ["all"] else args.model_types
@@ -34,12 +40,13 @@ def main(argv=None) -> int:
         parser.error(f"unknown MODEL_TYPE {unknown[0]!r}; valid: {', '.join(MODEL_TYPES)} or all")
     from siamesenorm.benchmark import BenchSettings, run, save, to_markdown
 
-    settings = BenchSettings(recipe=args.recipe, model_types=types, layers=args.layers, d_model=args.d_model,
+    settings = BenchSettings(recipe=args.recipe, model_types=types, layers=args.layers, d_model=args.d_model, vocab=args.vocab,
                              batch=args.batch, seq=args.seq, repeats=args.repeats,
-                             steps_per_timing=args.steps_per_timing, modes=args.modes)
+                             steps_per_timing=args.steps_per_timing, modes=args.modes,
+                             group_size=args.group_size)
     result = run(settings)
     s = result["settings"]
-    print(f"{args.recipe}: {s['n_layers']} layers, d_model {s['d_model']}, {args.batch} x {args.seq} tokens a step, "
+    print(f"{args.recipe}: {s['n_layers']} layers, d_model {s['d_model']}, vocabulary {s['vocab_size']}, {args.batch} x {args.seq} tokens a step, "
           f"{s['device_name']}, {s['threads']} thread(s), torch {s['torch']}; ratios against pre of the same mode")
     print(to_markdown(result))
     if args.json:

@@ -41,11 +41,13 @@ class BenchSettings:
     model_types: Sequence[str] = ("pre", "hybrid_pre")
     layers: Optional[int] = None
     d_model: Optional[int] = None
+    vocab: Optional[int] = None
     batch: int = 4
     seq: int = 256
     repeats: int = 7
     steps_per_timing: int = 2
     modes: Sequence[str] = ("eager", "compiled")
+    group_size: int = 0  # variants held in memory at once besides pre (0: all); each group has its own pre
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     seed: int = 0
 
@@ -59,6 +61,9 @@ def model_config(settings: BenchSettings):
         cfg.n_layers = settings.layers
     if settings.d_model is not None:
         cfg.d_model = settings.d_model
+    if settings.vocab is not None:
+        cfg.vocab_size = cfg.embedding_size = settings.vocab
+        cfg.eos_token_id, cfg.pad_token_id = 0, min(cfg.pad_token_id, settings.vocab - 1)
     cfg.max_sequence_length = max(cfg.max_sequence_length, settings.seq)
     cfg.init_device = settings.device
     cfg.flash_attention = False
@@ -171,39 +176,45 @@ def run(settings: BenchSettings, progress: Callable[[str], None] = lambda m: pri
     cfg = model_config(settings)
     types = list(dict.fromkeys(["pre", *settings.model_types]))  # pre first: the ratios' denominator
     rows: List[Dict] = []
+    others = types[1:]
+    size = settings.group_size or len(others) or 1
+    groups = [others[i:i + size] for i in range(0, len(others), size)] or [[]]
     for mode in settings.modes:
-        variants = []
-        for mt in types:
-            started = time.time()
-            variants.append(_Variant(mt, mode, settings, cfg))
-            progress(f"[{mode}] built {mt} ({time.time() - started:.1f} s{', compiled' if mode == 'compiled' else ''})")
-        for r in range(settings.repeats):  # interleaved: each repeat times every variant once
-            for v in variants:
-                v.time_once()
-            progress(f"[{mode}] timing round {r + 1}/{settings.repeats}")
-        for v in variants:
-            rows.append(v.result())
-            progress(f"[{mode}] measured {v.model_type}")
-        del variants
-        gc.collect()
+        for g, group in enumerate(groups):
+            variants = []
+            for mt in ["pre", *group]:
+                started = time.time()
+                variants.append(_Variant(mt, mode, settings, cfg))
+                progress(f"[{mode}] built {mt} ({time.time() - started:.1f} s"
+                         f"{', compiled' if mode == 'compiled' else ''})")
+            for r in range(settings.repeats):  # interleaved: each repeat times every variant of the group once
+                for v in variants:
+                    v.time_once()
+                progress(f"[{mode}] group {g + 1}/{len(groups)}: timing round {r + 1}/{settings.repeats}")
+            measured = [v.result() for v in variants]
+            base = measured[0]
+            for row in measured:  # ratios against the pre timed alongside (the same group)
+                row["step_time_ratio"] = row["step_s_median"] / base["step_s_median"]
+                row["activation_ratio"] = row["activation_bytes"] / base["activation_bytes"]
+                if "cuda_peak_bytes" in row:
+                    row["cuda_peak_ratio"] = row["cuda_peak_bytes"] / base["cuda_peak_bytes"]
+            rows.extend(measured if g == 0 else measured[1:])
+            progress(f"[{mode}] measured {', '.join(v.model_type for v in variants)}")
+            del variants
+            gc.collect()
         if mode == "compiled":
             torch._dynamo.reset()
     peak = _peak_flops()
     for mode in settings.modes:
-        base = next(r for r in rows if r["mode"] == mode and r["model_type"] == "pre")
         eager = {r["model_type"]: r for r in rows if r["mode"] == "eager"}
         for r in (r for r in rows if r["mode"] == mode):
-            r["step_time_ratio"] = r["step_s_median"] / base["step_s_median"]
-            r["activation_ratio"] = r["activation_bytes"] / base["activation_bytes"]
             fpt = (eager.get(r["model_type"]) or {}).get("flops_per_token")
             r["flops_per_token"] = fpt
             r["flops_ratio"] = fpt / eager["pre"]["flops_per_token"] if fpt and "pre" in eager else None
-            if "cuda_peak_bytes" in r:
-                r["cuda_peak_ratio"] = r["cuda_peak_bytes"] / base["cuda_peak_bytes"]
             if peak and fpt:
                 r["mfu"] = fpt * r["tokens_per_s"] / peak
     return {"settings": {**dataclasses.asdict(settings), "model_types": types, "n_layers": cfg.n_layers,
-                         "d_model": cfg.d_model, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                         "d_model": cfg.d_model, "vocab_size": cfg.vocab_size, "torch": torch.__version__, "threads": torch.get_num_threads(),
                          "device_name": torch.cuda.get_device_name() if settings.device == "cuda" else "cpu"},
             "rows": rows}
 

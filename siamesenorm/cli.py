@@ -153,8 +153,12 @@ Then, in Python:
     _logging()
     import torch
 
+    from transformers.utils import logging as hf_logging
+
     from .checkpoints import UnsafeCheckpoint
     from .hf import export
+
+    hf_logging.disable_progress_bar()  # one-file models: per-shard progress bars only add console lines
 
     try:
         folder = export(args.source, args.output, overwrite=args.overwrite, dtype=getattr(torch, args.dtype))
@@ -191,8 +195,12 @@ def generate_main(argv=None) -> None:
         parser.error("--num-samples > 1 needs --sample (greedy decoding gives one continuation)")
     import torch
 
+    from transformers.utils import logging as hf_logging
+
     from .checkpoints import UnsafeCheckpoint
     from .hf import load_for_generation
+
+    hf_logging.disable_progress_bar()
 
     try:
         model, tokenizer = load_for_generation(args.source)
