@@ -116,10 +116,28 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
         check_data(cfg)
         return 0
     check_data(cfg)
+    launched = {k: os.environ.get(k) for k in _GROUP_ENV}
     try:
         return train(cfg, config_path, model_type, source, load_path, action)
     finally:
         detach_run_logs()
+        if launched["RANK"] is None:  # not under torchrun: undo the group of one made here, so that a later run
+            _end_own_group(launched)   # in this process (or a child it launches) starts clean
+
+
+_GROUP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+def _end_own_group(previous: Dict[str, Optional[str]]) -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    for key, value in previous.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
 
 
 def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: str, load_path: Optional[str],
