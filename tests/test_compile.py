@@ -44,8 +44,9 @@ def test_every_block_compiles_fullgraph_and_matches_eager(model_type):
             assert (p.grad is None) == (q.grad is None), name
             if p.grad is not None:
                 torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
-    assert all(type(b).__name__ != "OptimizedModule" for b in compiled.transformer.blocks)  # compiled in place:
-    assert set(compiled.state_dict()) == set(eager.state_dict())                            # same parameter names
+    # compiled in place, so the blocks keep their class and the state dict its parameter names
+    assert all(type(b).__name__ != "OptimizedModule" for b in compiled.transformer.blocks)
+    assert set(compiled.state_dict()) == set(eager.state_dict())
 
 
 def test_a_run_with_compile_trains_through_the_trainer_like_eager(tmp_path, monkeypatch, austen_prepared):
