@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from siamesenorm.topologies.mhc import sinkhorn
+from siamesenorm.nn import sinkhorn
 
 
 def main() -> None:

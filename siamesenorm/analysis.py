@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from olmo.model import OLMo
 
 from .checkpoints import checkpoint_folder, load_model  # noqa: F401  (re-exported: analysis.load_model)
-from .topologies.base import TopologyBlock
+from .variants._block import TopologyBlock
 
 __all__ = [
     "NotApplicable",
@@ -135,19 +135,15 @@ def _captured_streams(model: OLMo):
     blocks = _blocks(model)
     inputs: List[torch.Tensor] = []
     outputs: List[torch.Tensor] = []
-    final: List[List[torch.Tensor]] = []
     handles = [b.register_forward_pre_hook(lambda m, args: inputs.append(args[0].detach())) for b in blocks]
     handles.append(blocks[-1].register_forward_hook(lambda m, args, out: outputs.append(out[0].detach())))
     last = blocks[-1]
-    if isinstance(last, TopologyBlock):
-        last.stream_capture = final
-    try:
-        yield inputs, outputs, final
-    finally:
-        for h in handles:
-            h.remove()
-        if isinstance(last, TopologyBlock):
-            last.stream_capture = None
+    with last.capturing_streams() if isinstance(last, TopologyBlock) else contextlib.nullcontext([]) as captured:
+        try:
+            yield inputs, outputs, captured
+        finally:
+            for h in handles:
+                h.remove()
 
 
 # ---- figure 2a: hidden-state magnitude per layer and stream ---------------------------------------------------------

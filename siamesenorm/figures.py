@@ -15,22 +15,20 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 
 from .tables import METHOD_NAMES
+from .variants import VARIANTS
 
 __all__ = ["COLOURS", "STREAM_NAMES", "FORMATS", "colour", "method_label", "stream_label", "pyplot", "plot",
            "moving_average", "integer_ticks", "readable_log", "mark_events", "save"]
 
 FORMATS = ("png", "pdf", "svg")
 
-#: One colour per method in every figure (matplotlib's tab10 first, for the paper's seed methods).
-COLOURS = {"pre": "tab:blue", "post": "tab:orange", "hybrid": "tab:red", "hc": "tab:purple",
-           "post_pre": "tab:olive", "hybrid_pre": "tab:green", "deepnorm": "tab:brown", "residual": "tab:pink",
-           "mixln": "tab:gray", "peri": "tab:cyan", "mhc": "black", "hybrid_star": "darkred",
-           "pre_embednorm": "navy"}
+#: One colour per method in every figure (each variant file's colour).
+COLOURS = {v.name: v.colour for v in VARIANTS.values()}
 
-#: The streams' names in the paper (section 3) for the blocks' internal names.
-STREAM_NAMES = {"residual": "residual stream", "x_post": "X (bounded, Post-Norm)",
-                "x_hybrid": "X (bounded, HybridNorm)", "y_pre": "Y (Pre-Norm)", "post_ln": "Post-LN stream",
-                "accumulator": "accumulator D"}
+#: The streams' names in the paper (section 3) for the blocks' internal names (each variant file's stream_labels).
+STREAM_NAMES = {"residual": "residual stream"}
+for _variant in VARIANTS.values():
+    STREAM_NAMES.update(_variant.stream_labels)
 
 _LINESTYLES = ("-", "--", ":", "-.")
 

@@ -1,4 +1,4 @@
-"""build_model and the parameter count of a whole model, computed from its config."""
+"""build_model, and the parameter count of the model a config builds."""
 
 from __future__ import annotations
 
@@ -9,8 +9,7 @@ from olmo.config import ModelConfig
 from olmo.model import OLMo
 
 from .config import as_siamese_config, resolve_model_type, validate_model_config
-from .registry import block_params, forced_model_type
-from .topologies.base import linear_params, norm_params
+from .registry import forced_model_type
 
 __all__ = ["build_model", "num_params_from_config"]
 
@@ -34,16 +33,10 @@ def build_model(model_config: ModelConfig, model_type: Optional[str] = None, ini
 
 
 def num_params_from_config(model_config: ModelConfig, model_type: Optional[str] = None) -> int:
-    """Total parameters of ``build_model(model_config, model_type)``, without building it."""
+    """Total parameters of ``build_model(model_config, model_type)``: the model built on the meta device (no
+    memory, no init), counted."""
     resolved, _ = resolve_model_type(model_config, model_type)
     validate_model_config(model_config, resolved)
-    config = as_siamese_config(model_config, model_type=resolved)
-    vocab = config.embedding_size or config.vocab_size
-    n = vocab * config.d_model + norm_params(config)  # wte, ln_f
-    if not (config.alibi or config.rope):
-        n += config.max_sequence_length * config.d_model  # wpe
-    if not config.weight_tying:
-        n += linear_params(config, config.d_model, vocab)
-    if config.embedding_layer_norm:
-        n += norm_params(config)
-    return n + sum(block_params(config, resolved, i) for i in range(config.n_layers))
+    config = as_siamese_config(model_config, model_type=resolved, init_device="meta")
+    with forced_model_type(resolved):
+        return OLMo(config, init_params=False).num_params()

@@ -45,7 +45,8 @@ def _config_fields() -> str:
     for f in dataclasses.fields(SiameseModelConfig):
         if f.name not in olmo_fields and f.name != "model_type":
             default = f'"{f.default}"' if isinstance(f.default, str) else repr(f.default)
-            lines.append(f"    {f.name}: {f.type} = {default}")
+            type_name = f.type if isinstance(f.type, str) else f.type.__name__
+            lines.append(f"    {f.name}: {type_name} = {default}")
     return "\n".join(lines) + "\n"
 
 

@@ -1,4 +1,5 @@
-"""The one registry: MODEL_TYPE string -> block class, and the hook that puts it into OLMo's block factory.
+"""The one registry: MODEL_TYPE string -> block class (derived from siamesenorm/variants/, one file per variant),
+and the hook that puts it into OLMo's block factory.
 
 ``install_hook()`` (run on ``import siamesenorm``) replaces ``olmo.model.OLMoBlock.build``: a model type other than
 ``pre`` builds our block; ``pre`` goes to OLMo's own factory. ``changes.patch`` adds the same delegation to an
@@ -16,41 +17,16 @@ from olmo.config import ModelConfig
 from olmo.model import BufferCache, OLMoBlock
 
 from .config import MODEL_TYPES, resolve_model_type, validate_model_config
-from .topologies.base import TopologyBlock, sequential_block_params
-from .topologies.deepnorm import DeepNormBlock
-from .topologies.hc import HyperConnectionBlock
-from .topologies.hybrid import HybridNormBlock
-from .topologies.hybrid_pre import SiameseHybridPreBlock
-from .topologies.hybrid_star import HybridStarBlock
-from .topologies.mhc import ManifoldHyperConnectionBlock
-from .topologies.mixln import MixLNBlock
-from .topologies.peri import PeriNormBlock
-from .topologies.post import PostNormBlock
-from .topologies.post_pre import SiamesePostPreBlock
-from .topologies.pre_embednorm import PreEmbedNormBlock
-from .topologies.residual import ResiDualBlock
+from .variants import VARIANTS
+from .variants._block import TopologyBlock
 
-__all__ = ["BLOCKS", "block_class", "block_for", "install_hook", "forced_model_type", "block_params"]
+__all__ = ["BLOCKS", "block_class", "block_for", "install_hook", "forced_model_type"]
 
 log = logging.getLogger(__name__)
 
-#: MODEL_TYPE -> block class. None: OLMo's own factory (OLMoSequentialBlock), i.e. stock Pre-Norm.
-BLOCKS: dict[str, Optional[Type[TopologyBlock]]] = {
-    "pre": None,
-    "post": PostNormBlock,
-    "hybrid": HybridNormBlock,
-    "hc": HyperConnectionBlock,
-    "post_pre": SiamesePostPreBlock,
-    "hybrid_pre": SiameseHybridPreBlock,
-    "deepnorm": DeepNormBlock,
-    "residual": ResiDualBlock,
-    "mixln": MixLNBlock,
-    "peri": PeriNormBlock,
-    "mhc": ManifoldHyperConnectionBlock,
-    "hybrid_star": HybridStarBlock,
-    "pre_embednorm": PreEmbedNormBlock,
-}
-assert tuple(BLOCKS) == MODEL_TYPES
+#: MODEL_TYPE -> block class, from the variant files. None: OLMo's own factory (OLMoSequentialBlock), i.e. stock
+#: Pre-Norm.
+BLOCKS: dict[str, Optional[Type[TopologyBlock]]] = {name: v.block for name, v in VARIANTS.items()}
 
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("siamesenorm_forced_model_type", default=None)
 _olmo_build = OLMoBlock.build.__func__  # OLMo's own factory, kept for ``pre``
@@ -96,11 +72,3 @@ def install_hook() -> None:
         return
     if getattr(OLMoBlock.build, "__func__", None) is not _hooked_build:
         OLMoBlock.build = classmethod(_hooked_build)  # type: ignore[method-assign]
-
-
-def block_params(config: ModelConfig, model_type: str, layer_id: int) -> int:
-    """Parameters of block ``layer_id``, computed from the config alone."""
-    cls = block_class(model_type)
-    if cls is None:
-        return sequential_block_params(config)
-    return cls.num_params_from_config(config, layer_id)

@@ -30,27 +30,14 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .records import DOWNSTREAM_LABELS
+from .variants import VARIANTS
 
 __all__ = ["COLUMNS", "METHOD_NAMES", "Table", "build_table", "to_markdown", "to_csv", "to_latex", "method_name"]
 
 COLUMNS = ("PPL", "ARC-E", "ARC-C", "HellaSwag", "PIQA", "WinoGrande", "OBQA", "Arithmetic", "Avg")
 
-#: MODEL_TYPE -> the name the paper's tables use; the order is the row order.
-METHOD_NAMES = {
-    "pre": "Pre-Norm",
-    "pre_embednorm": "Pre-Norm + EmbedNorm",
-    "peri": "Peri-LN",
-    "post": "Post-Norm",
-    "deepnorm": "DeepNorm",
-    "mixln": "Mix-LN",
-    "residual": "ResiDual",
-    "hybrid": "HybridNorm",
-    "hybrid_star": "HybridNorm*",
-    "hc": "Hyper-Connections",
-    "mhc": "mHC",
-    "post_pre": "SiameseNorm (Post-Norm + Pre-Norm)",
-    "hybrid_pre": "SiameseNorm",
-}
+#: MODEL_TYPE -> the name the paper's tables use (each variant file's display_name); the order is the row order.
+METHOD_NAMES = {v.name: v.display_name for v in sorted(VARIANTS.values(), key=lambda v: v.table_row)}
 
 _KNOB_NAMES = {
     ("siamese_depth_scaling", False): "w/o depth-wise scaling",

@@ -9,9 +9,9 @@ from olmo.exceptions import OLMoConfigurationError
 from test_variants import ids, randomize
 
 from siamesenorm import build_model
-from siamesenorm.topologies.deepnorm import deepnorm_alpha, deepnorm_beta
-from siamesenorm.topologies.mhc import sinkhorn
-from siamesenorm.topologies.mixln import mixln_post_layers
+from siamesenorm.variants.deepnorm import deepnorm_alpha, deepnorm_beta
+from siamesenorm.nn import sinkhorn
+from siamesenorm.variants.mixln import mixln_post_layers
 
 
 def shared_state(src, dst):

@@ -49,7 +49,7 @@ def _tiny_loss(model, ids):
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_recomputing_norms_and_stream_mixing_is_exact(model_type, monkeypatch):
     """RECOMPUTE reruns the same ops in backward: the loss and every gradient are bit-identical to saving them."""
-    import siamesenorm.topologies.base as base
+    import siamesenorm.variants._block as base
 
     model = build_model(tiny_config(n_layers=3), model_type)
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(2))
@@ -68,7 +68,7 @@ def test_recomputing_norms_and_stream_mixing_is_exact(model_type, monkeypatch):
 
 @pytest.mark.parametrize("model_type", ["hybrid_pre", "post_pre", "hc", "mhc"])
 def test_recomputing_cuts_the_multi_stream_variants_activation_memory(model_type, monkeypatch):
-    import siamesenorm.topologies.base as base
+    import siamesenorm.variants._block as base
 
     ids = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(3))
     saved = {}

@@ -10,9 +10,9 @@ from olmo.model import OLMo, OLMoSequentialBlock
 
 import siamesenorm
 from siamesenorm import MODEL_TYPES, build_model
-from siamesenorm.topologies.hc import HyperConnectionBlock
-from siamesenorm.topologies.hybrid_pre import SiameseHybridPreBlock
-from siamesenorm.topologies.post import PostNormBlock
+from siamesenorm.variants.hc import HyperConnectionBlock
+from siamesenorm.variants.hybrid_pre import SiameseHybridPreBlock
+from siamesenorm.variants.post import PostNormBlock
 
 
 def block_types(model):

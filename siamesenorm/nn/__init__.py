@@ -13,26 +13,5 @@ the stream bookkeeping around it explicitly::
 The equations are in each class's docstring; docs/fidelity.md says which source each default follows.
 """
 
-from .topologies import (
-    HybridNorm,
-    HyperConnections,
-    ManifoldHyperConnections,
-    PostNorm,
-    PreNorm,
-    SiameseFusion,
-    SiameseNorm,
-    depth_divisor,
-    sinkhorn,
-)
-
-__all__ = [
-    "PreNorm",
-    "PostNorm",
-    "HybridNorm",
-    "SiameseNorm",
-    "SiameseFusion",
-    "HyperConnections",
-    "ManifoldHyperConnections",
-    "depth_divisor",
-    "sinkhorn",
-]
+from .topologies import *  # noqa: F401,F403
+from .topologies import __all__  # noqa: F401

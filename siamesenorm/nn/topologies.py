@@ -1,5 +1,10 @@
 """Residual topologies around one sublayer F, in plain PyTorch (torch only).
 
+Each topology's update rule is written once, as a function of the streams, the sublayer F and the norms
+(``post_norm_update``, ``hybrid_norm_update``, ``siamese_update``, ``siamese_hybrid_attention``, and the
+connections' ``width`` / ``depth``). The modules below own their norms and call these functions; the OLMo blocks in
+siamesenorm/variants/ call the same functions with OLMo's sublayers and norms, so both run one definition.
+
 A wrapper is built once per sublayer, ``Topology(dim, branch, ...)``, and maps the topology's state to the new
 state: a tensor (B, ..., d) for the single-stream ones, a pair (X, Y) for SiameseNorm, (B, ..., n, d) for the
 hyper-connections. ``expand`` turns the embedding into the state, ``reduce`` (or SiameseFusion) the state back
@@ -9,17 +14,36 @@ into one tensor for the host's final norm and head.
 from __future__ import annotations
 
 import math
-from typing import Callable, Tuple
+from typing import Callable, Optional, Tuple
 
 import torch
 import torch.nn as nn
 
-__all__ = ["PreNorm", "PostNorm", "HybridNorm", "SiameseNorm", "SiameseFusion", "HyperConnections",
-           "ManifoldHyperConnections", "depth_divisor", "sinkhorn", "expand_streams"]
+__all__ = ["PreNorm", "PostNorm", "HybridNorm", "SiameseNorm", "SiameseFusion", "HyperConnection",
+           "HyperConnections", "ManifoldHyperConnection", "ManifoldHyperConnections", "post_norm_update",
+           "hybrid_norm_update", "siamese_update", "siamese_hybrid_attention", "depth_divisor", "sinkhorn",
+           "expand_streams", "NORM_POSITIONS", "DEPTH_SCALING_FORMS", "SINKHORN_ORDERS"]
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
+Norm = Callable[[torch.Tensor], torch.Tensor]
 NormFactory = Callable[[int], nn.Module]
-NORM_POSITIONS = ("after_addition", "before_sublayer")
+
+#: Where a Post-Norm-style norm sits (post, and post_pre's bounded stream X):
+#: "after_addition": x <- LN(x + F(x)) (paper eq. 2 and section 3's text);
+#: "before_sublayer": x <- LN(x); x <- x + F(x) (the official DeiT/DiT SiameseNorm Block, the HybridNorm fork's
+#: Post-Norm switch): the same chain of "add, normalise" shifted by one norm.
+NORM_POSITIONS: Tuple[str, ...] = ("after_addition", "before_sublayer")
+
+#: c(l) for the 0-based layer l: the bounded stream receives O / c(l). "inv_sqrt_2layer" is what the paper's
+#: reference code computes (sqrt(2(l+1))); "inv_sqrt_layer" is the paper's text (section 4.2: sqrt(l+1)).
+DEPTH_SCALING_FORMS: dict = {
+    "inv_sqrt_layer": lambda layer: math.sqrt(layer + 1),
+    "inv_sqrt_2layer": lambda layer: math.sqrt(2 * (layer + 1)),
+}
+
+#: mhc's Sinkhorn-Knopp order within one iteration: "columns_first" is the mHC paper's T_r(T_c(.)) (rows end exact),
+#: "rows_first" normalises rows then columns (columns end exact).
+SINKHORN_ORDERS: Tuple[str, ...] = ("columns_first", "rows_first")
 
 
 def _branch_module(branch: Branch) -> nn.Module:
@@ -43,6 +67,27 @@ def _check_position(position: str) -> str:
 
 
 # ---- one stream ----------------------------------------------------------------------------------------------------
+def post_norm_update(x: torch.Tensor, branch: Branch, norm: Norm, position: str = "after_addition",
+                     alpha: float = 1.0) -> torch.Tensor:
+    """Post-Norm around one sublayer, the norm where ``position`` says; ``alpha`` scales the residual (DeepNorm):
+
+        "after_addition":   x <- LN(alpha x + F(x))
+        "before_sublayer":  x <- LN(x);  x <- alpha x + F(x)
+    """
+    if position == "before_sublayer":
+        x = norm(x)
+        return (x if alpha == 1.0 else alpha * x) + branch(x)
+    return norm((x if alpha == 1.0 else alpha * x) + branch(x))
+
+
+def hybrid_norm_update(x: torch.Tensor, branch: Branch, norm: Optional[Norm] = None) -> torch.Tensor:
+    """HybridNorm's stream around one sublayer: x <- x + F(x) (attention, ``norm`` None), or
+    u = LN(x); x <- u + F(u) (MLP: the normalised value is also the residual)."""
+    if norm is not None:
+        x = norm(x)
+    return x + branch(x)
+
+
 class PreNorm(nn.Module):
     """Pre-Norm:   x <- x + F(LN(x))."""
 
@@ -58,30 +103,31 @@ class PreNorm(nn.Module):
 
 
 class PostNorm(nn.Module):
-    """Post-Norm, two placements of the norm:
+    """Post-Norm (``post_norm_update``), two placements of the norm:
 
-        "after_addition"  (paper eq. 2):             x <- LN(x + F(x))
-        "before_sublayer" (the HybridNorm OLMo fork): x <- LN(x);  x <- x + F(x)
+        "after_addition"  (paper eq. 2):             x <- LN(alpha x + F(x))
+        "before_sublayer" (the HybridNorm OLMo fork): x <- LN(x);  x <- alpha x + F(x)
+
+    alpha = 1, or DeepNorm's (2 N)^(1/4) for N layers.
     """
 
-    def __init__(self, dim: int, branch: Branch, norm: NormFactory = nn.LayerNorm, position: str = "after_addition"):
+    def __init__(self, dim: int, branch: Branch, norm: NormFactory = nn.LayerNorm, position: str = "after_addition",
+                 alpha: float = 1.0):
         super().__init__()
         self.branch, self.norm, self.position = _branch_module(branch), norm(dim), _check_position(position)
+        self.alpha = alpha
 
     expand = staticmethod(lambda x: x)
     reduce = staticmethod(lambda x: x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.position == "before_sublayer":
-            x = self.norm(x)
-            return x + self.branch(x)
-        return self.norm(x + self.branch(x))
+        return post_norm_update(x, self.branch, self.norm, self.position, self.alpha)
 
 
 class HybridNorm(nn.Module):
-    """HybridNorm's stream (Zhuo et al., 2025). The attention sublayer has no input norm (its Q/K/V norms belong to
-    the host's attention module) and a plain residual; the MLP sublayer normalises the stream and keeps the
-    normalised value as its residual:
+    """HybridNorm's stream (Zhuo et al., 2025; ``hybrid_norm_update``). The attention sublayer has no input norm
+    (its Q/K/V norms belong to the host's attention module) and a plain residual; the MLP sublayer normalises the
+    stream and keeps the normalised value as its residual:
 
         attention:  x <- x + Attn(x)
         mlp:        u = LN(x);  x <- u + MLP(u)
@@ -98,33 +144,60 @@ class HybridNorm(nn.Module):
     reduce = staticmethod(lambda x: x)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.norm is not None:
-            x = self.norm(x)
-        return x + self.branch(x)
+        return hybrid_norm_update(x, self.branch, self.norm)
 
 
 # ---- SiameseNorm ---------------------------------------------------------------------------------------------------
 def depth_divisor(layer: int, form: str = "inv_sqrt_2layer") -> float:
     """c(l) for 0-based layer l: sqrt(2(l+1)) (the official code, default) or sqrt(l+1) (the paper's text)."""
-    if form == "inv_sqrt_2layer":
-        return math.sqrt(2 * (layer + 1))
-    if form == "inv_sqrt_layer":
-        return math.sqrt(layer + 1)
-    raise ValueError(f"depth scaling form {form!r} is unknown; use inv_sqrt_2layer or inv_sqrt_layer.")
+    if form not in DEPTH_SCALING_FORMS:
+        raise ValueError(f"depth scaling form {form!r} is unknown; use one of: {', '.join(DEPTH_SCALING_FORMS)}.")
+    return float(DEPTH_SCALING_FORMS[form](layer))
+
+
+def siamese_update(x: torch.Tensor, y: torch.Tensor, branch: Branch, *, y_norm: Norm, x_norm: Optional[Norm] = None,
+                   in_norm: Optional[Norm] = None, c: float = 1.0,
+                   x_norm_position: str = "before_sublayer") -> Tuple[torch.Tensor, torch.Tensor]:
+    """One sublayer of SiameseNorm: the two streams share F. LN^X only where ``x_norm`` is given (post_pre's
+    bounded stream; hybrid_pre's MLP has none), LN^in only where ``in_norm`` is given (the normalized input):
+
+        "before_sublayer":  X = LN^X(X);  H = LN^in(X + LN^Y(Y));  O = F(H);  X = X + O / c;         Y = Y + O
+        "after_addition":                 H = LN^in(X + LN^Y(Y));  O = F(H);  X = LN^X(X + O / c);   Y = Y + O
+    """
+    before = x_norm is not None and x_norm_position == "before_sublayer"
+    if before:
+        x = x_norm(x)
+    h = x + y_norm(y)
+    o = branch(in_norm(h) if in_norm is not None else h)
+    x = x + o / c
+    if x_norm is not None and not before:
+        x = x_norm(x)
+    return x, y + o
+
+
+def siamese_hybrid_attention(x: torch.Tensor, y: torch.Tensor, branch: Branch, *, gamma: torch.Tensor, y_norm: Norm,
+                             x_norm: Norm, c: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+    """hybrid_pre's attention sublayer (official OLMo_model_hybrid_pre.py): gamma (a learned vector, 1 at init)
+    stands in for the norm HybridNorm omits on the attention input:
+
+        H = gamma * X + LN^Y(Y);  R = Attn(H);  X = LN^X(X + R / c);  Y = Y + R
+    """
+    o = branch(gamma.to(x.dtype) * x + y_norm(y))
+    return x_norm(x + o / c), y + o
 
 
 class SiameseNorm(nn.Module):
     """SiameseNorm around one sublayer: two streams share F. X is bounded, Y is Pre-Norm-like; c = c(layer)
     (``depth_divisor``; 1 with ``depth_scaling=False``); LN^in only with ``normalized_input``.
 
-    bounded="post" (post_pre), per sublayer, LN^X where ``x_norm_position`` says:
+    bounded="post" (post_pre), per sublayer, LN^X where ``x_norm_position`` says (``siamese_update``):
         "before_sublayer" (default; the official DeiT/DiT Block):  X = LN^X(X); H = LN^in(X + LN^Y(Y))
                                                                   O = F(H); X = X + O / c; Y = Y + O
         "after_addition"  (the paper's section-3 text):            H = LN^in(X + LN^Y(Y)); O = F(H)
                                                                   X = LN^X(X + O / c); Y = Y + O
     bounded="hybrid" (hybrid_pre, the paper's main model; official OLMo_model_hybrid_pre.py):
-        attention: H = gamma * X + LN^Y(Y); R = Attn(H); X = LN^X(X + R / c); Y = Y + R   (gamma: a learned vector, 1)
-        mlp:       M = LN^in(X + LN^Y(Y));  O = MLP(M);  X = X + O / c;      Y = Y + O
+        attention: H = gamma * X + LN^Y(Y); R = Attn(H); X = LN^X(X + R / c); Y = Y + R   (``siamese_hybrid_attention``)
+        mlp:       M = LN^in(X + LN^Y(Y));  O = MLP(M);  X = X + O / c;      Y = Y + O   (``siamese_update``, no LN^X)
 
          X --[LN^X]--+-----------(+ O/c)--[LN^X]--> X
                      |              ^
@@ -155,18 +228,11 @@ class SiameseNorm(nn.Module):
 
     def forward(self, state: Tuple[torch.Tensor, torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         x, y = state
-        if self.gamma is not None:  # hybrid, attention
-            o = self.branch(self.gamma.to(x.dtype) * x + self.y_norm(y))
-            return self.x_norm(x + o / self.c), y + o
-        before = self.bounded == "post" and self.x_norm_position == "before_sublayer"
-        if before:
-            x = self.x_norm(x)
-        h = x + self.y_norm(y)
-        o = self.branch(self.in_norm(h) if self.in_norm is not None else h)
-        x = x + o / self.c
-        if self.bounded == "post" and not before:
-            x = self.x_norm(x)
-        return x, y + o
+        if self.gamma is not None:
+            return siamese_hybrid_attention(x, y, self.branch, gamma=self.gamma, y_norm=self.y_norm,
+                                            x_norm=self.x_norm, c=self.c)
+        return siamese_update(x, y, self.branch, y_norm=self.y_norm, x_norm=self.x_norm, in_norm=self.in_norm,
+                              c=self.c, x_norm_position=self.x_norm_position)
 
 
 class SiameseFusion(nn.Module):
@@ -183,40 +249,60 @@ class SiameseFusion(nn.Module):
 
 
 # ---- hyper-connections ----------------------------------------------------------------------------------------------
-class HyperConnections(nn.Module):
-    """Dynamic Hyper-Connections (Zhu et al., arXiv 2409.19606) around one sublayer, n streams H (B, ..., n, d):
+def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
+    """(..., d) -> (..., n, d): the embedding copied into n streams (a view, no copy)."""
+    return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1])
+
+
+def depth_connection(carried: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The depth connection of hc and mhc: (..., n, d) carried streams + (..., n) weights x (..., d) output F."""
+    return carried + weights.unsqueeze(-1) * out.unsqueeze(-2)
+
+
+class HyperConnection(nn.Module):
+    """The width connection of dynamic Hyper-Connections (Zhu et al., arXiv 2409.19606) around one sublayer, for n
+    streams H (B, ..., n, d); ``width(H)`` gives (branch input, carried streams, B), ``depth_connection`` the rest:
 
         A(H) = A_s + s_a * tanh(norm(H) W_a)    A_s = [e_(layer mod n) | I_n], W_a = 0, s_a = 0.01
         B(H) = B_s + s_b * tanh(norm(H) w_b)    B_s = 1,                        w_b = 0, s_b = 0.01
         input = sum_s A[s, 0] h_s;   h_j <- sum_s A[s, 1+j] h_s + B_j * F(input)
 
-    ``branch`` gets the mixed input as is (put its Pre-Norm inside the branch, as the HC paper's transformer does).
-    ``expand`` copies the embedding into n streams; ``reduce`` sums them.
+    ``weight_decay_params`` names the parameters that take weight decay (the HC paper's section 4: the dynamic
+    projections, with ``decay_dynamic``); the static weights and the scales take none.
     """
 
-    def __init__(self, n: int, dim: int, branch: Branch, layer: int = 0, norm: NormFactory = nn.LayerNorm,
-                 dynamic: bool = True, scale_init: float = 0.01):
+    def __init__(self, n: int, dim: int, layer: int = 0, norm: NormFactory = nn.LayerNorm, dynamic: bool = True,
+                 scale_init: float = 0.01, decay_dynamic: bool = True, device=None):
         super().__init__()
-        self.n, self.branch, self.dynamic = n, _branch_module(branch), dynamic
-        static_alpha = torch.zeros(n, 1 + n)
-        static_alpha[layer % n, 0] = 1.0
-        static_alpha[:, 1:] = torch.eye(n)
-        self.static_alpha = nn.Parameter(static_alpha)
-        self.static_beta = nn.Parameter(torch.ones(n))
+        self.n, self.read_stream, self.dynamic, self.scale_init = n, layer % n, dynamic, scale_init
+        self.static_alpha = nn.Parameter(torch.empty(n, 1 + n, device=device))
+        self.static_beta = nn.Parameter(torch.empty(n, device=device))
+        self.weight_decay_params: Tuple[str, ...] = ()
         if dynamic:
             self.norm = norm(dim)
-            self.dynamic_alpha_fn = nn.Parameter(torch.zeros(dim, 1 + n))
-            self.dynamic_alpha_scale = nn.Parameter(torch.full((1,), scale_init))
-            self.dynamic_beta_fn = nn.Parameter(torch.zeros(dim))
-            self.dynamic_beta_scale = nn.Parameter(torch.full((1,), scale_init))
+            self.dynamic_alpha_fn = nn.Parameter(torch.empty(dim, 1 + n, device=device))
+            self.dynamic_alpha_scale = nn.Parameter(torch.empty(1, device=device))
+            self.dynamic_beta_fn = nn.Parameter(torch.empty(dim, device=device))
+            self.dynamic_beta_scale = nn.Parameter(torch.empty(1, device=device))
+            if decay_dynamic:
+                self.weight_decay_params = ("dynamic_alpha_fn", "dynamic_beta_fn")
+        self.reset_parameters()
 
-    expand = staticmethod(lambda x, n: expand_streams(x, n))
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.static_alpha.zero_()
+            self.static_alpha[self.read_stream, 0] = 1.0
+            self.static_alpha[:, 1:] = torch.eye(self.n, device=self.static_alpha.device)
+            self.static_beta.fill_(1.0)
+            if self.dynamic:
+                self.norm.reset_parameters()
+                self.dynamic_alpha_fn.zero_()
+                self.dynamic_beta_fn.zero_()
+                self.dynamic_alpha_scale.fill_(self.scale_init)
+                self.dynamic_beta_scale.fill_(self.scale_init)
 
-    @staticmethod
-    def reduce(h: torch.Tensor) -> torch.Tensor:
-        return h.sum(-2)
-
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def width(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h: (..., n, d) -> branch input (..., d), carried streams (..., n, d), B (..., n); in h's dtype."""
         alpha, beta = self.static_alpha, self.static_beta
         if self.dynamic:
             normed = self.norm(h)
@@ -225,13 +311,31 @@ class HyperConnections(nn.Module):
         else:
             alpha, beta = alpha.expand(*h.shape[:-1], 1 + self.n), beta.expand(*h.shape[:-1])
         mixed = torch.einsum("...sd,...sk->...kd", h, alpha.to(h.dtype))  # (..., 1 + n, d)
-        out = self.branch(mixed[..., 0, :])
-        return mixed[..., 1:, :] + beta.to(h.dtype).unsqueeze(-1) * out.unsqueeze(-2)
+        return mixed[..., 0, :], mixed[..., 1:, :], beta.to(h.dtype)
 
 
-def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
-    """(..., d) -> (..., n, d): the embedding copied into n streams (a view, no copy)."""
-    return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1])
+class HyperConnections(HyperConnection):
+    """Dynamic Hyper-Connections around one sublayer F (``HyperConnection``'s rule):
+    h_j <- sum_s A[s, 1+j] h_s + B_j * F(sum_s A[s, 0] h_s).
+
+    ``branch`` gets the mixed input as is (put its Pre-Norm inside the branch, as the HC paper's transformer does).
+    ``expand`` copies the embedding into n streams; ``reduce`` sums them.
+    """
+
+    def __init__(self, n: int, dim: int, branch: Branch, layer: int = 0, norm: NormFactory = nn.LayerNorm,
+                 dynamic: bool = True, scale_init: float = 0.01):
+        super().__init__(n, dim, layer=layer, norm=norm, dynamic=dynamic, scale_init=scale_init)
+        self.branch = _branch_module(branch)
+
+    expand = staticmethod(lambda x, n: expand_streams(x, n))
+
+    @staticmethod
+    def reduce(h: torch.Tensor) -> torch.Tensor:
+        return h.sum(-2)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        inp, carried, beta = self.width(h)
+        return depth_connection(carried, beta, self.branch(inp))
 
 
 def sinkhorn(logits: torch.Tensor, iterations: int, order: str = "columns_first") -> torch.Tensor:
@@ -248,36 +352,43 @@ def sinkhorn(logits: torch.Tensor, iterations: int, order: str = "columns_first"
     return log_p.exp()
 
 
-class ManifoldHyperConnections(nn.Module):
-    """mHC (Xie et al., arXiv 2512.24880, eqs. 7-9) around one sublayer, n streams H (B, ..., n, d); per token,
-    with h~ = RMS-style norm(flatten(H)) of size n*d:
+class ManifoldHyperConnection(nn.Module):
+    """The width connection of mHC (Xie et al., arXiv 2512.24880, eqs. 7-9) around one sublayer, n streams
+    H (B, ..., n, d); per token, with h~ = norm(flatten(H)) of size n*d:
 
         H_pre  = sigmoid(a_pre * h~ P_pre + b_pre)          H_post = 2 sigmoid(a_post * h~ P_post + b_post)
-        H_res  = Sinkhorn(a_res * mat(h~ P_res) + b_res)    (doubly stochastic; fp32)
+        H_res  = Sinkhorn(a_res * mat(h~ P_res) + b_res)    (doubly stochastic; fp32, autocast off)
         input  = sum_s H_pre[s] h_s;   h_j <- sum_s H_res[j, s] h_s + H_post[j] * F(input)
 
-    Init as siamesenorm/topologies/mhc.py documents: P = N(0, 1/(n d)), gates 0.01, b_pre = logit(1/n), b_post = 0,
-    b_res = 0 (H_res uniform). ``reduce`` is the mean of the streams.
+    Init (docs/fidelity.md): P = N(0, 1/(n d)), gates 0.01, b_pre = logit(1/n), b_post = 0, b_res = 0 (H_res uniform).
     """
 
-    def __init__(self, n: int, dim: int, branch: Branch, norm: NormFactory = nn.LayerNorm, iterations: int = 20,
-                 order: str = "columns_first", gate_init: float = 0.01):
+    def __init__(self, n: int, dim: int, norm: NormFactory = nn.LayerNorm, iterations: int = 20,
+                 order: str = "columns_first", gate_init: float = 0.01, device=None):
         super().__init__()
-        self.n, self.branch, self.iterations, self.order = n, _branch_module(branch), iterations, order
+        if order not in SINKHORN_ORDERS:
+            raise ValueError(f"Sinkhorn order {order!r} is unknown; use one of: {', '.join(SINKHORN_ORDERS)}.")
+        self.n, self.iterations, self.order, self.gate_init = n, iterations, order, gate_init
         self.norm = norm(n * dim)
-        self.proj = nn.Parameter(torch.randn(n * dim, n * n + 2 * n) / math.sqrt(n * dim))
-        self.gates = nn.Parameter(torch.full((3,), gate_init))
-        self.bias_pre = nn.Parameter(torch.full((n,), -math.log(n - 1) if n > 1 else 0.0))
-        self.bias_post = nn.Parameter(torch.zeros(n))
-        self.bias_res = nn.Parameter(torch.zeros(n, n))
+        self.proj = nn.Parameter(torch.empty(n * dim, n * n + 2 * n, device=device))  # P_pre | P_post | P_res
+        self.gates = nn.Parameter(torch.empty(3, device=device))  # a_pre, a_post, a_res
+        self.bias_pre = nn.Parameter(torch.empty(n, device=device))
+        self.bias_post = nn.Parameter(torch.empty(n, device=device))
+        self.bias_res = nn.Parameter(torch.empty(n, n, device=device))
+        self.reset_parameters()
 
-    expand = staticmethod(lambda x, n: expand_streams(x, n))
+    def reset_parameters(self):
+        n = self.n
+        self.norm.reset_parameters()
+        with torch.no_grad():
+            nn.init.normal_(self.proj, std=1.0 / math.sqrt(self.proj.shape[0]))
+            self.gates.fill_(self.gate_init)
+            self.bias_pre.fill_(-math.log(n - 1) if n > 1 else 0.0)  # logit(1/n)
+            self.bias_post.zero_()
+            self.bias_res.zero_()
 
-    @staticmethod
-    def reduce(h: torch.Tensor) -> torch.Tensor:
-        return h.mean(-2)
-
-    def coefficients(self, h: torch.Tensor):
+    def coefficients(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """h: (..., n, d) -> H_pre (..., n), H_post (..., n), H_res (..., n, n); all fp32."""
         n = self.n
         with torch.autocast(device_type=h.device.type, enabled=False):
             logits = self.norm(h.flatten(-2)).float() @ self.proj.float()
@@ -288,8 +399,29 @@ class ManifoldHyperConnections(nn.Module):
                            self.iterations, self.order)
         return pre, post, res
 
-    def forward(self, h: torch.Tensor) -> torch.Tensor:
+    def width(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> branch input (..., d), mixed streams H_res H (..., n, d), H_post (..., n), in h's dtype."""
         pre, post, res = self.coefficients(h)
         inp = torch.einsum("...sd,...s->...d", h, pre.to(h.dtype))
         mixed = torch.einsum("...js,...sd->...jd", res.to(h.dtype), h)
-        return mixed + post.to(h.dtype).unsqueeze(-1) * self.branch(inp).unsqueeze(-2)
+        return inp, mixed, post.to(h.dtype)
+
+
+class ManifoldHyperConnections(ManifoldHyperConnection):
+    """mHC around one sublayer F (``ManifoldHyperConnection``'s rule): h_j <- sum_s H_res[j, s] h_s + H_post[j] F(input).
+    ``reduce`` is the mean of the streams."""
+
+    def __init__(self, n: int, dim: int, branch: Branch, norm: NormFactory = nn.LayerNorm, iterations: int = 20,
+                 order: str = "columns_first", gate_init: float = 0.01):
+        super().__init__(n, dim, norm=norm, iterations=iterations, order=order, gate_init=gate_init)
+        self.branch = _branch_module(branch)
+
+    expand = staticmethod(lambda x, n: expand_streams(x, n))
+
+    @staticmethod
+    def reduce(h: torch.Tensor) -> torch.Tensor:
+        return h.mean(-2)
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        inp, mixed, post = self.width(h)
+        return depth_connection(mixed, post, self.branch(inp))

@@ -8,4 +8,8 @@ re-implemented, so ``pre`` is bit-identical to stock OLMo.
 
 from olmo.model import OLMoSequentialBlock as PreNormBlock
 
-__all__ = ["PreNormBlock"]
+from .spec import Variant
+
+__all__ = ["PreNormBlock", "VARIANT"]
+
+VARIANT = Variant(name="pre", display_name="Pre-Norm", colour="tab:blue", block=None, order=0, table_row=0)

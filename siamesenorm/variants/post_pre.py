@@ -32,17 +32,15 @@ Pre-Norm (RMSNorm, normalized input on); with every LN^Y scale zeroed it is Post
 
 from __future__ import annotations
 
-import torch
-from olmo.config import ModelConfig
+from ..nn.topologies import NORM_POSITIONS, siamese_update
+from ._block import SIAMESE_KNOBS, TwoStreamBlock, validate_siamese
+from .spec import Knob, Variant, fail, knob
 
-from ..config import knob
-from .base import TwoStreamBlock, norm_params
-
-__all__ = ["SiamesePostPreBlock"]
+__all__ = ["SiamesePostPreBlock", "VARIANT"]
 
 
 class SiamesePostPreBlock(TwoStreamBlock):
-    stream_names = ("x_post", "y_pre")
+    STREAMS = ("x_post", "y_pre")
 
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
@@ -50,15 +48,9 @@ class SiamesePostPreBlock(TwoStreamBlock):
         self.ff_norm_x, self.ff_norm_y = self.new_norm(), self.new_norm()
 
     @classmethod
-    def removed_olmo_norms(cls, config, layer_id):
+    def unused_norms(cls, config, layer_id):
         # attn_norm / ff_norm are LN^in, the normalized-input norms: gone when that mechanism is off.
-        return () if config.siamese_normalized_input else ("attn_norm", "ff_norm")
-
-    def sublayer_input(self, in_norm_name: str, x_stream, y_stream, y_norm) -> torch.Tensor:
-        h = x_stream + self.norm(y_norm, y_stream)
-        if self.config.siamese_normalized_input:
-            h = self.norm(getattr(self, in_norm_name), h)
-        return h
+        return () if knob(config, "siamese_normalized_input") else ("attn_norm", "ff_norm")
 
     @property
     def x_norm_before_sublayer(self) -> bool:
@@ -66,20 +58,16 @@ class SiamesePostPreBlock(TwoStreamBlock):
 
     def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
         xs, ys = self.split_streams(x)
-        before = self.x_norm_before_sublayer
-        if before:
-            xs = self.norm(self.attn_norm_x, xs)
-        h = self.sublayer_input("attn_norm", xs, ys, self.attn_norm_y)
-        o, cache = self.attention_branch(h, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
-        xs = self.norm(self.ff_norm_x if before else self.attn_norm_x, xs + o / self.depth_scale)
-        ys = ys + o
-        h = self.sublayer_input("ff_norm", xs, ys, self.ff_norm_y)
-        o = self.mlp_branch(h)
-        xs = xs + o / self.depth_scale
-        if not before:
-            xs = self.norm(self.ff_norm_x, xs)
-        ys = ys + o
-        return self.finish([xs, ys]), cache
+        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        normalized = knob(self.config, "siamese_normalized_input")
+        position = knob(self.config, "post_pre_x_norm_position")
+        for branch, prefix in ((attention, "attn"), (self.mlp_sublayer(), "ff")):
+            xs, ys = siamese_update(
+                xs, ys, branch, x_norm=self.normed(getattr(self, f"{prefix}_norm_x")),
+                y_norm=self.normed(getattr(self, f"{prefix}_norm_y")),
+                in_norm=self.normed(getattr(self, f"{prefix}_norm")) if normalized else None,
+                c=self.depth_scale, x_norm_position=position)
+        return self.finish([xs, ys]), caches[0]
 
     def input_scales(self, previous: "SiamesePostPreBlock | None") -> dict:
         """(scale of X, scale of Y) as each sublayer's input receives them (paper figure 6): X's scale is that of
@@ -90,6 +78,22 @@ class SiamesePostPreBlock(TwoStreamBlock):
         x_attn = previous.ff_norm_x if previous is not None else None
         return {"attention": (x_attn, self.attn_norm_y), "mlp": (self.attn_norm_x, self.ff_norm_y)}
 
-    @classmethod
-    def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
-        return super().extra_params(config, layer_id) + 4 * norm_params(config)  # LN^X, LN^Y per sublayer
+
+def validate(config, model_type: str) -> None:
+    validate_siamese(config, model_type)
+    position = knob(config, "post_pre_x_norm_position")
+    if position not in NORM_POSITIONS:
+        fail(f"model.post_pre_x_norm_position {position!r} is unknown; use one of: {', '.join(NORM_POSITIONS)}.")
+
+
+VARIANT = Variant(
+    name="post_pre", display_name="SiameseNorm (Post-Norm + Pre-Norm)", colour="tab:olive", block=SiamesePostPreBlock,
+    order=4, table_row=11, validate=validate,
+    knobs=SIAMESE_KNOBS + (
+        Knob("post_pre_x_norm_position", "before_sublayer", legacy="after_addition",
+             doc="Where LN^X of the bounded stream sits, see siamesenorm.nn.NORM_POSITIONS. Default: the official "
+                 "DeiT/DiT SiameseNorm Block (LN^X at the start of each sublayer); \"after_addition\" is the "
+                 "paper's section-3 text."),
+    ),
+    stream_labels={"x_post": "X (bounded, Post-Norm)", "y_pre": "Y (Pre-Norm)"},
+)

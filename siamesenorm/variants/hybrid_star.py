@@ -8,21 +8,24 @@ Attn is HybridNorm's attention in every layer, layer 0 included: per-head Q/K/V 
 
 from __future__ import annotations
 
-from .hybrid import HybridNormBlock
+from .hybrid import HybridNormBlock, validate_qkv_head_norms
+from .spec import Variant
 
-__all__ = ["HybridStarBlock"]
+__all__ = ["HybridStarBlock", "VARIANT"]
 
 
 class HybridStarBlock(HybridNormBlock):
     @classmethod
-    def removed_olmo_norms(cls, config, layer_id):
+    def unused_norms(cls, config, layer_id):
         return () if layer_id == 0 else ("attn_norm",)
 
     def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
         if not self.is_first:
             return super().forward(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
-        att, cache = self.attention_branch(
-            self.norm(self.attn_norm, x), attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens
-        )
-        x = x + att
-        return x + self.mlp_branch(self.norm(self.ff_norm, x)), cache
+        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        x = x + attention(self.norm(self.attn_norm, x))
+        return x + self.mlp_branch(self.norm(self.ff_norm, x)), caches[0]
+
+
+VARIANT = Variant(name="hybrid_star", display_name="HybridNorm*", colour="darkred", block=HybridStarBlock, order=11,
+                  table_row=8, validate=validate_qkv_head_norms, hybrid_recipe=True)

@@ -24,16 +24,17 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
-from olmo.config import ModelConfig
 
-from .base import TwoStreamBlock, norm_params
-from .hybrid import QKVHeadNormAttention
+from ..nn.topologies import siamese_hybrid_attention, siamese_update
+from ._block import SIAMESE_KNOBS, TwoStreamBlock, validate_siamese
+from .hybrid import QKVHeadNormAttention, validate_qkv_head_norms
+from .spec import Variant, fail, knob
 
-__all__ = ["SiameseHybridPreBlock"]
+__all__ = ["SiameseHybridPreBlock", "VARIANT"]
 
 
 class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
-    stream_names = ("x_hybrid", "y_pre")
+    STREAMS = ("x_hybrid", "y_pre")
 
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
@@ -43,9 +44,9 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
         self.ff_norm_y = self.new_norm()
 
     @classmethod
-    def removed_olmo_norms(cls, config, layer_id):
+    def unused_norms(cls, config, layer_id):
         # No attention-input norm (the Q/K/V norms replace it); ff_norm is LN^in, gone without normalized input.
-        return ("attn_norm",) if config.siamese_normalized_input else ("attn_norm", "ff_norm")
+        return ("attn_norm",) if knob(config, "siamese_normalized_input") else ("attn_norm", "ff_norm")
 
     def reset_parameters(self):
         super().reset_parameters()
@@ -53,21 +54,30 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
 
     def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
         xs, ys = self.split_streams(x)
-        h = self.gamma.to(xs.dtype) * xs + self.norm(self.attn_norm_y, ys)
-        r, cache = self.attention_branch(h, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
-        xs = self.norm(self.attn_norm_x, xs + r / self.depth_scale)
-        ys = ys + r
-        m = xs + self.norm(self.ff_norm_y, ys)
-        if self.config.siamese_normalized_input:
-            m = self.norm(self.ff_norm, m)
-        o = self.mlp_branch(m)
-        return self.finish([xs + o / self.depth_scale, ys + o]), cache
+        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        xs, ys = siamese_hybrid_attention(xs, ys, attention, gamma=self.gamma, y_norm=self.normed(self.attn_norm_y),
+                                          x_norm=self.normed(self.attn_norm_x), c=self.depth_scale)
+        in_norm = self.normed(self.ff_norm) if knob(self.config, "siamese_normalized_input") else None
+        xs, ys = siamese_update(xs, ys, self.mlp_sublayer(), y_norm=self.normed(self.ff_norm_y), in_norm=in_norm,
+                                c=self.depth_scale)
+        return self.finish([xs, ys]), caches[0]
 
     def input_scales(self, previous: "SiameseHybridPreBlock | None") -> dict:
         """(scale of X, scale of Y) as each sublayer's input receives them (paper figure 6): gamma and LN^Y_attn for
         the attention, LN^X_attn (X's last norm) and LN^Y_ffn for the MLP."""
         return {"attention": (self.gamma, self.attn_norm_y), "mlp": (self.attn_norm_x, self.ff_norm_y)}
 
-    @classmethod
-    def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
-        return super().extra_params(config, layer_id) + config.d_model + 3 * norm_params(config)
+
+def validate(config, model_type: str) -> None:
+    validate_qkv_head_norms(config, model_type)
+    validate_siamese(config, model_type)
+    if not config.layer_norm_with_affine:
+        fail("MODEL_TYPE hybrid_pre learns its stream-mixing through norm scales; "
+             "set model.layer_norm_with_affine to true.")
+
+
+VARIANT = Variant(
+    name="hybrid_pre", display_name="SiameseNorm", colour="tab:green", block=SiameseHybridPreBlock, order=5,
+    table_row=12, validate=validate, knobs=SIAMESE_KNOBS, hybrid_recipe=True,
+    stream_labels={"x_hybrid": "X (bounded, HybridNorm)", "y_pre": "Y (Pre-Norm)"},
+)

@@ -15,18 +15,16 @@ difference from SiameseNorm, whose Pre-Norm stream also feeds the sublayers (pap
 
 from __future__ import annotations
 
-from olmo.config import ModelConfig
+from ._block import TopologyBlock, mean_weight
+from .spec import Variant
 
-from .base import TopologyBlock, _mean_weight, norm_params
-
-__all__ = ["ResiDualBlock"]
+__all__ = ["ResiDualBlock", "VARIANT"]
 
 
 class ResiDualBlock(TopologyBlock):
     """``attn_norm`` / ``ff_norm`` (OLMo's names) are the Post-LN norms of X."""
 
-    n_streams = 2
-    stream_names = ("post_ln", "accumulator")
+    STREAMS = ("post_ln", "accumulator")
 
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
@@ -35,21 +33,20 @@ class ResiDualBlock(TopologyBlock):
 
     def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
         xs, ds = self.split_streams(x)
-        o, cache = self.attention_branch(xs, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
-        xs = self.norm(self.attn_norm, xs + o)
-        ds = ds + o
-        o = self.mlp_branch(xs)
-        xs = self.norm(self.ff_norm, xs + o)
-        ds = ds + o
-        return self.finish([xs, ds]), cache
+        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        for branch, norm in ((attention, self.attn_norm), (self.mlp_sublayer(), self.ff_norm)):
+            o = branch(xs)
+            xs = self.norm(norm, xs + o)  # X: Post-LN
+            ds = ds + o  # D collects the raw sublayer output
+        return self.finish([xs, ds]), caches[0]
 
     def contributions(self, streams):  # X + LN^D(D)
         xs, ds = streams
         return [xs, self.norm(self.out_norm_dual, ds)]
 
-    def fusion_weights(self) -> list[float]:
-        return [1.0, _mean_weight(self.out_norm_dual)]
+    def fusion_weights(self):
+        return [1.0, mean_weight(self.out_norm_dual)]
 
-    @classmethod
-    def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
-        return super().extra_params(config, layer_id) + (norm_params(config) if layer_id == config.n_layers - 1 else 0)
+
+VARIANT = Variant(name="residual", display_name="ResiDual", colour="tab:pink", block=ResiDualBlock, order=7,
+                  table_row=6, stream_labels={"post_ln": "Post-LN stream", "accumulator": "accumulator D"})

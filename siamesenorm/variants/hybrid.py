@@ -12,11 +12,12 @@ Reference: the HybridNorm OLMo 1.2B config (see docs/architecture.md).
 from __future__ import annotations
 
 import torch
-from olmo.config import ModelConfig
 
-from .base import TopologyBlock, norm_params
+from ..nn.topologies import hybrid_norm_update
+from ._block import TopologyBlock
+from .spec import Variant, fail
 
-__all__ = ["QKVHeadNormAttention", "HybridNormBlock"]
+__all__ = ["QKVHeadNormAttention", "HybridNormBlock", "validate_qkv_head_norms", "VARIANT"]
 
 
 def _per_head(norm, t: torch.Tensor, head_dim: int) -> torch.Tensor:
@@ -42,18 +43,23 @@ class QKVHeadNormAttention(TopologyBlock):
         v = self.norm(lambda t: _per_head(self.v_head_norm, t, self.head_dim), v)
         return super().attention(q, k, v, *args, **kwargs)  # RoPE is applied in there, after our norms
 
-    @classmethod
-    def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
-        head_dim = config.d_model // config.n_heads
-        return super().extra_params(config, layer_id) + 3 * norm_params(
-            config, head_dim, config.attention_layer_norm_with_affine
-        )
+
+def validate_qkv_head_norms(config, model_type: str) -> None:
+    """For the variants with HybridNorm's attention (hybrid, hybrid_star, hybrid_pre)."""
+    if config.attention_layer_norm:
+        fail(f"MODEL_TYPE {model_type} applies its own per-head Q/K/V norms; set model.attention_layer_norm to false.")
 
 
 class HybridNormBlock(QKVHeadNormAttention):
-    unused_olmo_norms = ("attn_norm",)
+    @classmethod
+    def unused_norms(cls, config, layer_id):
+        return ("attn_norm",)  # the Q/K/V norms replace the attention's input norm
 
     def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
-        att, cache = self.attention_branch(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
-        u = self.norm(self.ff_norm, x + att)
-        return u + self.mlp_branch(u), cache
+        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        x = hybrid_norm_update(x, attention)
+        return hybrid_norm_update(x, self.mlp_sublayer(), self.normed(self.ff_norm)), caches[0]
+
+
+VARIANT = Variant(name="hybrid", display_name="HybridNorm", colour="tab:red", block=HybridNormBlock, order=2,
+                  table_row=7, validate=validate_qkv_head_norms, hybrid_recipe=True)

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from typing import Optional
 
-from ..config import knob
-from .base import TopologyBlock
+from ..nn.topologies import NORM_POSITIONS, post_norm_update
+from ._block import TopologyBlock
+from .spec import Knob, Variant, fail, knob
 
-__all__ = ["PostNormBlock"]
+__all__ = ["PostNormBlock", "VARIANT"]
 
 
 class PostNormBlock(TopologyBlock):
@@ -31,19 +32,26 @@ class PostNormBlock(TopologyBlock):
     position_knob: Optional[str] = "post_norm_position"
 
     def post_norm_forward(self, x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens):
-        a = self.residual_scale
-        before = self.position_knob is not None and knob(self.config, self.position_knob) == "before_sublayer"
-        if before:
-            x = self.norm(self.attn_norm, x)
-        att, cache = self.attention_branch(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
-        x = (x if a == 1.0 else a * x) + att
-        # the norm between the two sublayers: attn_norm after the addition, or ff_norm before the MLP
-        x = self.norm(self.ff_norm if before else self.attn_norm, x)
-        o = self.mlp_branch(x)
-        x = (x if a == 1.0 else a * x) + o
-        if not before:
-            x = self.norm(self.ff_norm, x)
-        return x, cache
+        position = knob(self.config, self.position_knob) if self.position_knob is not None else "after_addition"
+        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        x = post_norm_update(x, attention, self.normed(self.attn_norm), position, self.residual_scale)
+        x = post_norm_update(x, self.mlp_sublayer(), self.normed(self.ff_norm), position, self.residual_scale)
+        return x, caches[0]
 
     def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
         return self.post_norm_forward(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+
+
+def validate(config, model_type: str) -> None:
+    position = knob(config, "post_norm_position")
+    if position not in NORM_POSITIONS:
+        fail(f"model.post_norm_position {position!r} is unknown; use one of: {', '.join(NORM_POSITIONS)}.")
+
+
+VARIANT = Variant(
+    name="post", display_name="Post-Norm", colour="tab:orange", block=PostNormBlock, order=1, table_row=3,
+    knobs=(Knob("post_norm_position", "after_addition", legacy="after_addition",
+                doc='Where the norm sits, see siamesenorm.nn.NORM_POSITIONS. Default: paper eq. 2 (classic '
+                    'Post-LN); "before_sublayer" is the HybridNorm OLMo fork\'s Post-Norm switch.'),),
+    validate=validate,
+)

@@ -16,8 +16,9 @@ from __future__ import annotations
 import torch
 
 from .post import PostNormBlock
+from .spec import Variant
 
-__all__ = ["DeepNormBlock", "deepnorm_alpha", "deepnorm_beta"]
+__all__ = ["DeepNormBlock", "deepnorm_alpha", "deepnorm_beta", "VARIANT"]
 
 
 def deepnorm_alpha(n_layers: int) -> float:
@@ -43,3 +44,7 @@ class DeepNormBlock(PostNormBlock):
             self.att_proj.weight[-v_rows:].mul_(self.init_scale)
             for linear in (self.attn_out, self.ff_proj, self.ff_out):
                 linear.weight.mul_(self.init_scale)
+
+
+VARIANT = Variant(name="deepnorm", display_name="DeepNorm", colour="tab:brown", block=DeepNormBlock, order=6,
+                  table_row=4)

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 from olmo.model import OLMoSequentialBlock, RMSLayerNorm
 
-from .base import TopologyBlock
+from ._block import TopologyBlock
+from .peri import validate_own_embedding_norm
+from .spec import Variant
 
-__all__ = ["PreEmbedNormBlock"]
+__all__ = ["PreEmbedNormBlock", "VARIANT"]
 
 
 class PreEmbedNormBlock(TopologyBlock):
@@ -31,3 +33,7 @@ class PreEmbedNormBlock(TopologyBlock):
 
     def skip(self, x):
         return self.norm(self.emb_norm, x) if self.is_first else x
+
+
+VARIANT = Variant(name="pre_embednorm", display_name="Pre-Norm + EmbedNorm", colour="navy", block=PreEmbedNormBlock,
+                  order=12, table_row=1, validate=validate_own_embedding_norm)

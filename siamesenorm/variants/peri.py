@@ -10,11 +10,10 @@ every update written into it has a bounded scale.
 
 from __future__ import annotations
 
-from olmo.config import ModelConfig
+from ._block import TopologyBlock
+from .spec import Variant, fail
 
-from .base import TopologyBlock, norm_params
-
-__all__ = ["PeriNormBlock"]
+__all__ = ["PeriNormBlock", "VARIANT"]
 
 
 class PeriNormBlock(TopologyBlock):
@@ -28,22 +27,22 @@ class PeriNormBlock(TopologyBlock):
     def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
         if self.is_first:
             x = self.norm(self.emb_norm, x)
-        att, cache = self.attention_branch(
-            self.norm(self.attn_norm, x),
-            attention_bias,
-            layer_past,
-            use_cache,
-            max_doc_len,
-            cu_doc_lens,
-            out_norm=self.attn_out_norm,
-        )
-        x = x + att
+        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens,
+                                                    out_norm=self.attn_out_norm)
+        x = x + attention(self.norm(self.attn_norm, x))
         x = x + self.mlp_branch(self.norm(self.ff_norm, x), out_norm=self.ff_out_norm)
-        return x, cache
-
-    @classmethod
-    def extra_params(cls, config: ModelConfig, layer_id: int) -> int:
-        return super().extra_params(config, layer_id) + (3 if layer_id == 0 else 2) * norm_params(config)
+        return x, caches[0]
 
     def skip(self, x):
         return self.norm(self.emb_norm, x) if self.is_first else x
+
+
+def validate_own_embedding_norm(config, model_type: str) -> None:
+    """For the variants that normalise the embedding themselves (peri, pre_embednorm)."""
+    if getattr(config, "embedding_layer_norm", False):
+        fail(f"MODEL_TYPE {model_type} normalises the embedding itself; "
+             "set model.embedding_layer_norm to false.")
+
+
+VARIANT = Variant(name="peri", display_name="Peri-LN", colour="tab:cyan", block=PeriNormBlock, order=9, table_row=2,
+                  validate=validate_own_embedding_norm)

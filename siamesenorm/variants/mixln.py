@@ -16,13 +16,14 @@ from olmo.config import ModelConfig
 from olmo.model import OLMoSequentialBlock
 
 from .post import PostNormBlock
+from .spec import Knob, Variant, fail, knob
 
-__all__ = ["MixLNBlock", "mixln_post_layers"]
+__all__ = ["MixLNBlock", "mixln_post_layers", "VARIANT"]
 
 
 def mixln_post_layers(config: ModelConfig) -> int:
     """How many leading layers are Post-LN. The epsilon keeps e.g. 0.29 * 100 at 29 despite rounding."""
-    return math.floor(config.mixln_post_fraction * config.n_layers + 1e-9)
+    return math.floor(knob(config, "mixln_post_fraction") * config.n_layers + 1e-9)
 
 
 class MixLNBlock(PostNormBlock):
@@ -38,3 +39,17 @@ class MixLNBlock(PostNormBlock):
         return OLMoSequentialBlock.forward(
             self, x, attention_bias, layer_past, use_cache, max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens
         )
+
+
+def validate(config, model_type: str) -> None:
+    frac = knob(config, "mixln_post_fraction")
+    if not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
+        fail(f"model.mixln_post_fraction must be a number in [0, 1] (got {frac!r}); Mix-LN uses 0.25.")
+
+
+VARIANT = Variant(
+    name="mixln", display_name="Mix-LN", colour="tab:gray", block=MixLNBlock, order=8, table_row=5,
+    knobs=(Knob("mixln_post_fraction", 0.25, type=float,
+                doc="The first floor(fraction * n_layers) layers are Post-LN, the rest Pre-LN (Mix-LN's 0.25)."),),
+    validate=validate,
+)

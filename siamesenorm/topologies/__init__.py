@@ -1,1 +1,0 @@
-"""One module per residual topology; each module's docstring gives its update rule."""

@@ -1,0 +1,277 @@
+"""What every OLMo adapter shares: OLMo's sequential block cut into its two sublayers, and the stacked-stream state.
+
+A variant's block subclasses ``TopologyBlock`` and writes ``forward`` as the update rules of siamesenorm.nn applied
+to OLMo's sublayers (``attention_sublayer``, ``mlp_sublayer``) and norms (``normed``). A block maps one tensor to one
+tensor, as OLMo's model loop expects. A topology with n streams carries them concatenated on the feature axis,
+(B, T, n * d_model): block 0 widens the embedding into n streams (``expand``) and the last block fuses them back to
+(B, T, d_model) (``finish``), so OLMo's own final norm ``ln_f`` is the topology's final norm and everything that
+happens between blocks (KV cache, activation checkpointing, FSDP wrapping, block groups, ``last_logits_only``)
+sees one tensor and works unchanged.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Callable, List, Optional, Tuple
+
+import torch
+import torch.nn as nn
+from torch.utils.checkpoint import checkpoint
+from olmo.config import ModelConfig
+from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
+
+from ..nn.topologies import DEPTH_SCALING_FORMS, depth_connection, depth_divisor, expand_streams
+from .spec import Knob, fail, knob
+
+__all__ = ["TopologyBlock", "ConnectedStreamsBlock", "TwoStreamBlock", "SIAMESE_KNOBS", "validate_siamese", "depth_scale",
+           "RECOMPUTE"]
+
+KVCache = Optional[Tuple[torch.Tensor, torch.Tensor]]
+Norm = Callable[[torch.Tensor], torch.Tensor]
+
+#: Recompute the cheap parts of the variants' blocks in backward instead of saving their intermediates: every norm
+#: (which saves its input, the normalised tensor and the statistics; recomputed, only the input is kept, and the
+#: residual stream holds it anyway) and hc/mhc's width connections (the stream mixing). Exact: backward reruns
+#: the same ops, so losses and gradients are bit-identical. It cuts the multi-stream variants' activation memory
+#: (docs/performance.md); ``pre`` is OLMo's own block and is unaffected. SIAMESENORM_RECOMPUTE=0 turns it off.
+RECOMPUTE = os.environ.get("SIAMESENORM_RECOMPUTE", "1") != "0"
+
+
+def depth_scale(config: ModelConfig, layer_id: int) -> float:
+    """c(l): the bounded stream receives O / c(l). 1.0 when depth-wise scaling is off."""
+    if not knob(config, "siamese_depth_scaling"):
+        return 1.0
+    return depth_divisor(layer_id, knob(config, "siamese_depth_scaling_form"))
+
+
+class _Absent:
+    """Stands in for a norm this topology removed while OLMo's reset_parameters, which resets both, runs."""
+
+    def reset_parameters(self):
+        pass
+
+
+class TopologyBlock(OLMoSequentialBlock):
+    """OLMo's sequential block with its forward replaced by a topology; its weights and attention are reused.
+
+    Subclasses write ``forward``, name their streams (``STREAMS``, or ``streams_for`` when the count is a knob) and
+    list the OLMo norms they do not use (``unused_norms``: removed, so DDP sees no unused parameter)."""
+
+    #: What each stream of the stacked state is, in order (the analysis tools label streams with these).
+    STREAMS: Tuple[str, ...] = ("residual",)
+
+    def __init__(self, layer_id: int, config: ModelConfig, cache: BufferCache):
+        super().__init__(layer_id, config, cache)
+        self.stream_names: Tuple[str, ...] = self.streams_for(config)
+        self.n_streams = len(self.stream_names)
+        for name in self.unused_norms(config, layer_id):
+            delattr(self, name)  # no parameter DDP would see unused, no entry in the state dict
+        self.is_first = layer_id == 0
+        self.is_last = layer_id == config.n_layers - 1
+        self._captured: Optional[list] = None
+
+    @classmethod
+    def streams_for(cls, config: ModelConfig) -> Tuple[str, ...]:
+        return cls.STREAMS
+
+    @classmethod
+    def unused_norms(cls, config: ModelConfig, layer_id: int) -> Tuple[str, ...]:
+        """OLMo block norms (``attn_norm``, ``ff_norm``) this topology does not use in this layer."""
+        return ()
+
+    # ---- parameters -------------------------------------------------------------------------------------
+    def new_norm(self, size: Optional[int] = None, elementwise_affine: Optional[bool] = None) -> LayerNormBase:
+        return LayerNormBase.build(self.config, size=size, elementwise_affine=elementwise_affine)
+
+    def reset_parameters(self):
+        absent = [name for name in ("attn_norm", "ff_norm") if not hasattr(self, name)]
+        try:
+            for name in absent:
+                object.__setattr__(self, name, _Absent())
+            super().reset_parameters()  # OLMo's init of the projections (and of the norms it has)
+        finally:
+            for name in absent:
+                object.__delattr__(self, name)
+        for module in self.children():
+            if isinstance(module, LayerNormBase):
+                module.reset_parameters()
+
+    # ---- OLMo's sublayers and norms, as the core's branches and norms ----------------------------------------
+    def attention_sublayer(self, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens,
+                           out_norm: Optional[LayerNormBase] = None):
+        """(branch, caches): branch(h) = dropout(Attn(h)) with OLMo's projections and attention, no input norm;
+        OLMo's KV cache of the call lands in ``caches``. ``out_norm`` (if given) normalises the output first."""
+        caches: List[KVCache] = []
+
+        def branch(h: torch.Tensor) -> torch.Tensor:
+            out, cache = self.attention_branch(h, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens,
+                                               out_norm)
+            caches.append(cache)
+            return out
+
+        return branch, caches
+
+    def mlp_sublayer(self, out_norm: Optional[LayerNormBase] = None) -> Callable[[torch.Tensor], torch.Tensor]:
+        return lambda h: self.mlp_branch(h, out_norm)
+
+    def normed(self, module: Optional[nn.Module]) -> Optional[Norm]:
+        """``module`` as the core's norm argument (``self.norm``: recomputed in backward); None stays None."""
+        return None if module is None else (lambda t: self.norm(module, t))
+
+    def ckpt(self, fn: Callable, *args, **kwargs):
+        """Run ``fn`` under OLMo's fine-grained activation checkpointing when it is on."""
+        if self._activation_checkpoint_fn is not None:
+            return self._activation_checkpoint_fn(fn, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    def attention_branch(self, h, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens,
+                         out_norm: Optional[LayerNormBase] = None) -> Tuple[torch.Tensor, KVCache]:
+        """dropout(Attn(h)) and OLMo's KV cache; h: (B, T, d_model), no input norm applied here."""
+        qkv = self.att_proj(h)
+        if self.config.clip_qkv is not None:
+            qkv = qkv.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)
+        q, k, v = qkv.split(self.fused_dims, dim=-1)
+        att, cache = self.ckpt(self.attention, q, k, v, attention_bias, layer_past=layer_past, use_cache=use_cache,
+                               max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens)
+        if out_norm is not None:
+            att = self.norm(out_norm, att)
+        return self.dropout(att), cache
+
+    def mlp_branch(self, h: torch.Tensor, out_norm: Optional[LayerNormBase] = None) -> torch.Tensor:
+        """dropout(MLP(h)) with OLMo's ff_proj, activation and ff_out; ``out_norm`` (if given) before dropout."""
+        h = self.ff_proj(h)
+        h = self.ckpt(self.act, h)
+        h = self.ff_out(h)
+        if out_norm is not None:
+            h = self.norm(out_norm, h)
+        return self.dropout(h)
+
+    def norm(self, module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        """``module(x)``; in training recomputed in backward (RECOMPUTE), or under OLMo's fine-grained activation
+        checkpointing when that is on."""
+        if self._activation_checkpoint_fn is not None:
+            return self._activation_checkpoint_fn(module, x)
+        return self.recompute(module, x)
+
+    @staticmethod
+    def recompute(fn: Callable, *args: torch.Tensor):
+        """``fn(*args)``, its intermediates recomputed in backward instead of saved when RECOMPUTE is on and
+        autograd records (``fn`` must be deterministic: no dropout)."""
+        if RECOMPUTE and torch.is_grad_enabled() and any(a.requires_grad for a in args):
+            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+        return fn(*args)
+
+    # ---- stacked streams --------------------------------------------------------------------------------
+    def split_streams(self, x: torch.Tensor) -> List[torch.Tensor]:
+        """(B, T, n * d) -> n tensors (B, T, d); block 0 receives the embedding and copies it into every stream."""
+        if self.is_first:
+            return [x] * self.n_streams
+        return list(x.chunk(self.n_streams, dim=-1))
+
+    def stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, n * d) -> (B, T, n, d), the layout the connections mix; block 0 widens the embedding (a view)."""
+        return expand_streams(x, self.n_streams) if self.is_first else x.unflatten(-1, (self.n_streams, -1))
+
+    @contextlib.contextmanager
+    def capturing_streams(self):
+        """Within the block, each forward of this (last) block appends its streams, just before it fuses them, to
+        the yielded list (the analysis tools' lens and stream magnitudes)."""
+        self._captured = []
+        try:
+            yield self._captured
+        finally:
+            self._captured = None
+
+    def contributions(self, streams: List[torch.Tensor]) -> List[torch.Tensor]:
+        """What each stream adds to the fused state that OLMo's final norm receives (the last block fuses)."""
+        return streams
+
+    def fusion_weights(self) -> List[float]:
+        """The scale each stream enters the fusion with (mean of its output norm's weight, or a constant)."""
+        return [1.0] * self.n_streams
+
+    def finish(self, streams: List[torch.Tensor]) -> torch.Tensor:
+        """End of a block: stack the streams, or, in the last block, fuse them (sum of their contributions)."""
+        if not self.is_last:
+            return torch.cat(streams, dim=-1) if len(streams) > 1 else streams[0]
+        if self._captured is not None:
+            self._captured.append([s.detach() for s in streams])
+        parts = self.contributions(streams)
+        return sum(parts[1:], parts[0])
+
+    def skip(self, x: torch.Tensor) -> torch.Tensor:
+        """This block with its sublayers removed (the depth probe): the streams pass through unchanged, widened
+        where this block widens the state and fused where it fuses."""
+        return self.finish(self.split_streams(x))
+
+
+class ConnectedStreamsBlock(TopologyBlock):
+    """n streams with a learned connection around each sublayer (hc, mhc): a siamesenorm.nn connection whose
+    ``width(H)`` gives (branch input, carried streams, per-stream output weights) for H (B, T, n, d), then
+    ``depth_connection``. ``attn_norm`` / ``ff_norm`` keep their Pre-Norm role inside each branch. Subclasses set
+    ``EXPANSION_KNOB`` and build the two connections, named in ``connection_names`` (attention first)."""
+
+    EXPANSION_KNOB: str = ""
+    connection_names: Tuple[str, str] = ("attn_conn", "ff_conn")
+
+    @classmethod
+    def streams_for(cls, config: ModelConfig) -> Tuple[str, ...]:
+        return tuple(f"stream_{i + 1}" for i in range(knob(config, cls.EXPANSION_KNOB)))
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        for name in self.connection_names:
+            getattr(self, name).reset_parameters()
+
+    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+        h = self.stacked(x)
+        attn_conn, ff_conn = (getattr(self, name) for name in self.connection_names)
+        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        for conn, branch, pre_norm in ((attn_conn, attention, self.attn_norm), (ff_conn, self.mlp_sublayer(),
+                                                                                 self.ff_norm)):
+            inp, carried, weights = self.recompute(conn.width, h)
+            h = depth_connection(carried, weights, branch(self.norm(pre_norm, inp)))
+        return self.finish(list(h.unbind(-2))), caches[0]  # the last block fuses the streams (contributions)
+
+
+#: The knobs both SiameseNorm variants (post_pre, hybrid_pre) read: the two mechanisms of section 4.2.
+SIAMESE_KNOBS = (
+    Knob("siamese_depth_scaling", True,
+         doc="Divide the update written into the bounded stream by c(l) (section 4.2)."),
+    Knob("siamese_depth_scaling_form", "inv_sqrt_2layer", legacy="inv_sqrt_layer",
+         doc="Which c(l), see siamesenorm.nn.DEPTH_SCALING_FORMS. Default: the official code's sqrt(2(l+1)); "
+             '"inv_sqrt_layer" is the paper\'s text (section 4.2).'),
+    Knob("siamese_normalized_input", True,
+         doc="Apply an extra norm (LN^in) to the fused input of each sublayer (section 4.2)."),
+)
+
+
+def validate_siamese(config: ModelConfig, model_type: str) -> None:
+    form = knob(config, "siamese_depth_scaling_form")
+    if form not in DEPTH_SCALING_FORMS:
+        fail(f"model.siamese_depth_scaling_form {form!r} is unknown; use one of: {', '.join(DEPTH_SCALING_FORMS)}.")
+
+
+class TwoStreamBlock(TopologyBlock):
+    """Shared by both SiameseNorm blocks: two stacked streams (X, Y), depth scale c(l), and the final fusion
+    LN^out_X(X) + LN^out_Y(Y) in the last block (``out_norm_x``, ``out_norm_y``; OLMo's ln_f follows)."""
+
+    def __init__(self, layer_id, config, cache):
+        super().__init__(layer_id, config, cache)
+        self.depth_scale = depth_scale(config, layer_id)
+        if self.is_last:
+            self.out_norm_x = self.new_norm()
+            self.out_norm_y = self.new_norm()
+
+    def contributions(self, streams):
+        x_stream, y_stream = streams
+        return [self.norm(self.out_norm_x, x_stream), self.norm(self.out_norm_y, y_stream)]
+
+    def fusion_weights(self) -> List[float]:
+        return [mean_weight(self.out_norm_x), mean_weight(self.out_norm_y)]
+
+
+def mean_weight(norm: nn.Module) -> float:
+    weight = getattr(norm, "weight", None)
+    return 1.0 if weight is None else float(weight.detach().float().mean())
