@@ -51,17 +51,23 @@ def _post_init(self):
         validate_model_config(self, self.model_type)
 
 
+def _knob_field(k):
+    return k.name, k.field_type(), dataclasses.field(default=k.default,
+                                                     metadata={"doc": k.doc, "owners": KNOB_OWNERS[k.name]})
+
+
+_MODEL_TYPE_DOC = "One of MODEL_TYPES. The MODEL_TYPE environment variable overrides it; None means pre."
 SiameseModelConfig = dataclasses.make_dataclass(
     "SiameseModelConfig",
-    [("model_type", Optional[str], dataclasses.field(default=None, metadata={
-        "doc": "One of MODEL_TYPES. The MODEL_TYPE environment variable overrides it; None means pre."}))]
-    + [(k.name, k.field_type(), dataclasses.field(default=k.default, metadata={"doc": k.doc, "owners": KNOB_OWNERS[k.name]}))
-       for k in KNOBS.values()],
+    [("model_type", Optional[str], dataclasses.field(default=None, metadata={"doc": _MODEL_TYPE_DOC}))]
+    + [_knob_field(k) for k in KNOBS.values()],
     bases=(ModelConfig,),
     namespace={"__post_init__": _post_init, "__module__": __name__},
 )
-SiameseModelConfig.__doc__ = "OLMo's ModelConfig plus the model type and the variants' knobs (defaults: the official code):\n\n" + "\n".join(
-    f"    {k.name} ({', '.join(KNOB_OWNERS[k.name])}; default {k.default!r}): {k.doc}" for k in KNOBS.values())
+SiameseModelConfig.__doc__ = (
+    "OLMo's ModelConfig plus the model type and the variants' knobs (defaults: the official code):\n\n"
+    + "\n".join(f"    {k.name} ({', '.join(KNOB_OWNERS[k.name])}; default {k.default!r}): {k.doc}"
+                for k in KNOBS.values()))
 
 
 def validate_model_config(config: ModelConfig, model_type: str) -> None:

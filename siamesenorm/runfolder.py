@@ -29,13 +29,14 @@ from omegaconf import OmegaConf as om
 from olmo.util import find_latest_checkpoint
 
 from .config import SiameseModelConfig, resolve_model_type
+from .console import attach_run_log
 from .records import RECORD_NAME
 from .runconfig import RunError, SiameseTrainConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["plan_run", "clear_run_folder", "resolve_run_model_type", "check_resume_model", "truncate_metrics",
-           "RUN_ARTEFACTS"]
+__all__ = ["plan_run", "clear_run_folder", "settle_run_folder", "resolve_run_model_type", "check_resume_model",
+           "truncate_metrics", "RUN_ARTEFACTS"]
 
 #: What a training run writes into its save folder; only these are deleted when a run starts over.
 RUN_ARTEFACTS = ("config.yaml", RECORD_NAME, "metrics.jsonl", "console.log", "train_data", "data-indices", "wandb",
@@ -173,3 +174,21 @@ def truncate_metrics(path: Path, step: int) -> int:
         tmp.write_text("".join(row + "\n" for row in kept))
         tmp.replace(path)
     return len(rows) - len(kept)
+
+
+def settle_run_folder(cfg: SiameseTrainConfig, action: str, load_path: Optional[str]) -> Path:
+    """Rank 0, before anything is written: clear the folder for a fresh start (``action``, from plan_run), create it,
+    attach console.log and save config.yaml. Returns console.log's path."""
+    folder = Path(cfg.save_folder)
+    if action in ("overwrite", "restart"):
+        removed = clear_run_folder(folder)
+        if removed:
+            why = "--save_overwrite" if action == "overwrite" else "the earlier attempt died before its first checkpoint"
+            log.info("starting over in %s (%s): removed %s", folder, why, ", ".join(removed))
+    if action == "resume":
+        log.info("resuming %s from %s", folder, load_path)
+    folder.mkdir(parents=True, exist_ok=True)
+    console_log = attach_run_log(folder)
+    if action != "resume":
+        cfg.save(folder / "config.yaml")
+    return console_log

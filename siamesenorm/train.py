@@ -27,7 +27,7 @@ import numpy as np
 from omegaconf import OmegaConf as om
 
 from .checkpoints import allow_checkpoint_types, refuse_unsafe
-from .console import attach_run_log, detach_run_logs
+from .console import detach_run_logs
 from .config import validate_model_config
 from .model import build_model, num_params_from_config
 from .records import EXIT_DIVERGED, RECORD_NAME, Diverged, StabilityMonitor, config_hash, recipe_hash, variant_knobs
@@ -42,7 +42,7 @@ from .runconfig import (
     unigram_loss,
     validate_run,
 )
-from .runfolder import check_resume_model, clear_run_folder, plan_run, resolve_run_model_type, truncate_metrics
+from .runfolder import check_resume_model, plan_run, resolve_run_model_type, settle_run_folder, truncate_metrics
 from .trainer import (
     SiameseTrainer,
     build_optimizer_with_coefficients,
@@ -145,8 +145,6 @@ def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: st
     """Set up the process group, the run folder, wandb, data, model and optimizer; then ``run``."""
     device = init_distributed()
     allow_checkpoint_types()  # torch.load keeps weights_only=True; OLMo's trainer state needs these types
-    from olmo.data import build_train_dataloader
-    from olmo.eval import build_evaluators
     from olmo.optim import BoltOnWarmupScheduler, build_scheduler
     from olmo.torch_util import barrier, get_global_rank, get_local_rank, get_world_size, seed_all
 
@@ -165,52 +163,12 @@ def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: st
         # FSDP's flattened shards would break the initialisers that index a parameter (hc's static alpha).
         cfg.model.init_device = device.type
 
-    folder = Path(cfg.save_folder)
-    if get_global_rank() == 0:
-        if action in ("overwrite", "restart"):
-            removed = clear_run_folder(folder)
-            if removed:
-                why = "--save_overwrite" if action == "overwrite" else "the earlier attempt died before its first checkpoint"
-                log.info("starting over in %s (%s): removed %s", folder, why, ", ".join(removed))
-        if action == "resume":
-            log.info("resuming %s from %s", folder, load_path)
-        folder.mkdir(parents=True, exist_ok=True)
-        console_log = attach_run_log(folder)
-        if action != "resume":
-            cfg.save(folder / "config.yaml")
+    console_log = settle_run_folder(cfg, action, load_path) if get_global_rank() == 0 else None
     barrier()
-
-    if cfg.wandb is not None and (get_global_rank() == 0 or not cfg.wandb.rank_zero_only):
-        import wandb
-
-        wandb.init(
-            dir=cfg.save_folder,  # wandb writes {dir}/wandb/<run>: one folder per run inside the save folder
-            mode=os.environ.get("WANDB_MODE", "offline"),  # online only when the user asks for it
-            project=cfg.wandb.project,
-            entity=cfg.wandb.entity,
-            group=cfg.wandb.group,
-            name=cfg.wandb.name or f"{folder.name}-{model_type}",
-            tags=list(cfg.wandb.tags or []) + [model_type],
-            config=cfg.asdict(exclude=["wandb"]),
-        )
+    init_wandb(cfg, model_type)
     barrier()
-
     seed_all(cfg.seed)
-    overwrite = cfg.save_overwrite
-    cfg.save_overwrite = True  # the folder was settled above; OLMo refuses an existing train_data/ folder otherwise
-    train_loader = build_train_dataloader(cfg)
-    cfg.save_overwrite = overwrite
-    # OLMo loads the tokenizer even for no evaluators, which fails when a test model's vocabulary differs.
-    evaluators = build_evaluators(cfg, device) if cfg.evaluators else []
-    indices_file = None
-    if cfg.save_data_indices:  # as OLMo's train script: the data indices each rank trains on
-        import gzip
-
-        from olmo.torch_util import get_global_rank as rank
-
-        indices_path = folder / "data-indices" / f"rank{rank()}.tsv.gz"
-        indices_path.parent.mkdir(parents=True, exist_ok=True)
-        indices_file = gzip.open(indices_path, "at" if resuming else "wt")
+    train_loader, evaluators, indices_file = build_data(cfg, device, resuming)
     barrier()
 
     olmo_model = build_model(cfg.model, model_type)
@@ -243,6 +201,48 @@ def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: st
             return run(trainer, cfg, config_path, model_type, source, load_path, action, BoltOnWarmupScheduler)
     finally:
         signal.signal(signal.SIGTERM, previous_handler)
+
+
+def init_wandb(cfg: SiameseTrainConfig, model_type: str) -> None:
+    """wandb in the run folder (offline unless WANDB_MODE says otherwise), on the ranks the config names."""
+    from olmo.torch_util import get_global_rank
+
+    if cfg.wandb is None or (get_global_rank() != 0 and cfg.wandb.rank_zero_only):
+        return
+    import wandb
+
+    wandb.init(
+        dir=cfg.save_folder,  # wandb writes {dir}/wandb/<run>: one folder per run inside the save folder
+        mode=os.environ.get("WANDB_MODE", "offline"),  # online only when the user asks for it
+        project=cfg.wandb.project,
+        entity=cfg.wandb.entity,
+        group=cfg.wandb.group,
+        name=cfg.wandb.name or f"{Path(cfg.save_folder).name}-{model_type}",
+        tags=list(cfg.wandb.tags or []) + [model_type],
+        config=cfg.asdict(exclude=["wandb"]),
+    )
+
+
+def build_data(cfg: SiameseTrainConfig, device, resuming: bool):
+    """(OLMo's train loader, its evaluators, the data-indices file or None), as OLMo's train script builds them."""
+    from olmo.data import build_train_dataloader
+    from olmo.eval import build_evaluators
+    from olmo.torch_util import get_global_rank
+
+    overwrite = cfg.save_overwrite
+    cfg.save_overwrite = True  # the folder is settled; OLMo refuses an existing train_data/ folder otherwise
+    train_loader = build_train_dataloader(cfg)
+    cfg.save_overwrite = overwrite
+    # OLMo loads the tokenizer even for no evaluators, which fails when a test model's vocabulary differs.
+    evaluators = build_evaluators(cfg, device) if cfg.evaluators else []
+    indices_file = None
+    if cfg.save_data_indices:  # as OLMo's train script: the data indices each rank trains on
+        import gzip
+
+        indices_path = Path(cfg.save_folder) / "data-indices" / f"rank{get_global_rank()}.tsv.gz"
+        indices_path.parent.mkdir(parents=True, exist_ok=True)
+        indices_file = gzip.open(indices_path, "at" if resuming else "wt")
+    return train_loader, evaluators, indices_file
 
 
 def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, model_type: str, source: str,

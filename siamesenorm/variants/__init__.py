@@ -24,10 +24,12 @@ def _discover() -> Dict[str, Variant]:
         module = importlib.import_module(f"{__name__}.{info.name}")
         variant = getattr(module, "VARIANT", None)
         if not isinstance(variant, Variant) or variant.name != info.name:
-            raise ImportError(f"siamesenorm/variants/{info.name}.py must define VARIANT = Variant(name={info.name!r}, ...)")
+            raise ImportError(
+                f"siamesenorm/variants/{info.name}.py must define VARIANT = Variant(name={info.name!r}, ...)")
         found.append(variant)
     found.sort(key=lambda v: v.order)
-    if [v.order for v in found] != list(range(len(found))) or sorted(v.table_row for v in found) != list(range(len(found))):
+    expected = list(range(len(found)))
+    if [v.order for v in found] != expected or sorted(v.table_row for v in found) != expected:
         raise ImportError("siamesenorm/variants: each VARIANT needs its own order and table_row, 0 .. n-1 with no gap")
     return {v.name: v for v in found}
 

@@ -62,4 +62,4 @@ class HybridNormBlock(QKVHeadNormAttention):
 
 
 VARIANT = Variant(name="hybrid", display_name="HybridNorm", colour="tab:red", block=HybridNormBlock, order=2,
-                  table_row=7, validate=validate_qkv_head_norms, hybrid_recipe=True)
+                  table_row=7, validate=validate_qkv_head_norms)

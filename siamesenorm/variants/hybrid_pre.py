@@ -78,6 +78,6 @@ def validate(config, model_type: str) -> None:
 
 VARIANT = Variant(
     name="hybrid_pre", display_name="SiameseNorm", colour="tab:green", block=SiameseHybridPreBlock, order=5,
-    table_row=12, validate=validate, knobs=SIAMESE_KNOBS, hybrid_recipe=True,
+    table_row=12, validate=validate, knobs=SIAMESE_KNOBS,
     stream_labels={"x_hybrid": "X (bounded, HybridNorm)", "y_pre": "Y (Pre-Norm)"},
 )

@@ -28,4 +28,4 @@ class HybridStarBlock(HybridNormBlock):
 
 
 VARIANT = Variant(name="hybrid_star", display_name="HybridNorm*", colour="darkred", block=HybridStarBlock, order=11,
-                  table_row=8, validate=validate_qkv_head_norms, hybrid_recipe=True)
+                  table_row=8, validate=validate_qkv_head_norms)

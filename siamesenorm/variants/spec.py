@@ -48,8 +48,6 @@ class Variant:
     #: ``validate(config)`` raises (via ``fail``) with one sentence saying what to change; the checks that every
     #: non-pre variant shares live in siamesenorm.config.validate_model_config.
     validate: Optional[Callable[[Any], None]] = None
-    #: Trained with the configs/OLMo-1B-hybrid-* recipes (HybridNorm's init and warmup) rather than OLMo-1B-*.
-    hybrid_recipe: bool = False
     #: The paper's names for the internal stream names of ``block.stream_names`` (figures' legends).
     stream_labels: dict = field(default_factory=dict)
 
