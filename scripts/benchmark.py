@@ -33,17 +33,24 @@ def main(argv=None) -> int:
                         help="hold at most this many variants (plus pre) in memory at once; each group is timed "
                         "against its own pre (default 0: all at once; use 2-3 at the 1.3B width on a 24 GB machine)")
     parser.add_argument("--json", help="also write the full result (settings and every measurement) here")
+    parser.add_argument("--breakdown", action="store_true",
+                        help="instead of timing: where each variant's activation bytes go (eager, one forward), as "
+                        "d_model-sized vectors per token and layer, by the module (or, inside a block's own code, "
+                        "the function) that saved them")
     args = parser.parse_args(argv)
     types = list(MODEL_TYPES) if args.model_types == ["all"] else args.model_types
     unknown = [t for t in types if t not in MODEL_TYPES]
     if unknown:
         parser.error(f"unknown MODEL_TYPE {unknown[0]!r}; valid: {', '.join(MODEL_TYPES)} or all")
-    from siamesenorm.benchmark import BenchSettings, run, save, to_markdown
+    from siamesenorm.benchmark import BenchSettings, breakdown, breakdown_markdown, run, save, to_markdown
 
     settings = BenchSettings(recipe=args.recipe, model_types=types, layers=args.layers, d_model=args.d_model, vocab=args.vocab,
                              batch=args.batch, seq=args.seq, repeats=args.repeats,
                              steps_per_timing=args.steps_per_timing, modes=args.modes,
                              group_size=args.group_size)
+    if args.breakdown:
+        print(breakdown_markdown(breakdown(settings)))
+        return 0
     result = run(settings)
     s = result["settings"]
     print(f"{args.recipe}: {s['n_layers']} layers, d_model {s['d_model']}, vocabulary {s['vocab_size']}, {args.batch} x {args.seq} tokens a step, "

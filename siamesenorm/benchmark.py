@@ -29,7 +29,8 @@ import torch
 
 from .model import build_model
 
-__all__ = ["BenchSettings", "model_config", "activation_bytes", "flops_per_token", "run", "to_markdown"]
+__all__ = ["BenchSettings", "model_config", "activation_bytes", "activation_breakdown", "flops_per_token", "run",
+           "to_markdown", "breakdown_markdown"]
 
 #: Dense bf16 peak FLOP/s by device name (the vendors' datasheets, without sparsity), for MFU.
 PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "V100": 125e12}
@@ -93,6 +94,82 @@ def activation_bytes(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]
     loss.backward()
     model.zero_grad(set_to_none=True)
     return total
+
+
+def activation_breakdown(model: torch.nn.Module, ids: torch.Tensor) -> Dict[str, float]:
+    """Where the activation bytes of one forward go: the saved storages of ``activation_bytes``, each charged to
+    the innermost module running when autograd saved it (block indices folded: ``blocks.*.att_proj``; "block"
+    is the block's own forward, i.e. the topology's additions, scalings and stream mixing outside any
+    submodule). Values are d_model-sized fp32 vectors per token and layer, so 1.0 = one (B, T, d) tensor in every
+    layer."""
+    import re
+
+    params = _parameter_storages(model)
+    names = {m: re.sub(r"\.\d+(?=\.|$)", ".*", n) for n, m in model.named_modules()}
+    stack: List[str] = []
+    seen: Dict[int, tuple] = {}
+
+    def enter(module, args) -> None:
+        stack.append(names[module])
+
+    def leave(module, args, output) -> None:
+        stack.pop()
+
+    hooks = [m.register_forward_pre_hook(enter) for m in names] + [m.register_forward_hook(leave) for m in names]
+    wrapped = [m for m in names if callable(getattr(m, "attention", None)) and hasattr(m, "att_proj")]
+    for block in wrapped:  # attention is a method, not a module: mark it for the duration of its call
+        block.attention = _marked(block.attention, names[block] + ".attention", stack)
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr != 0 and ptr not in seen:
+            where = stack[-1] if stack else "(model)"
+            if where == "transformer.blocks.*":  # the block's own code: name the function of ours that saved it
+                where += " " + _our_caller()
+            seen[ptr] = (where, storage.nbytes())
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = _loss(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+        for block in wrapped:
+            del block.attention
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    cfg = model.config
+    unit = ids.numel() * cfg.d_model * 4 * cfg.n_layers
+    out: Dict[str, float] = {}
+    for where, nbytes in seen.values():
+        key = "logits and loss" if where == "(model)" else where.replace("transformer.blocks.* ", "block: ")
+        key = key.replace("transformer.blocks.*.", "").replace("transformer.", "")
+        out[key] = out.get(key, 0.0) + nbytes / unit
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _our_caller() -> str:
+    """The innermost function of this package's variants or core on the stack (what saved a tensor)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/siamesenorm/variants/" in path or "/siamesenorm/nn/" in path:
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return "?"
+
+
+def _marked(method: Callable, name: str, stack: List[str]) -> Callable:
+    def call(*args, **kwargs):
+        stack.append(name)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            stack.pop()
+
+    return call
 
 
 def flops_per_token(model: torch.nn.Module, ids: torch.Tensor) -> float:
@@ -243,3 +320,28 @@ def save(result: Dict, path: str) -> None:
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
         f.write("\n")
+
+
+def breakdown(settings: BenchSettings) -> Dict[str, Dict[str, float]]:
+    """``activation_breakdown`` of every MODEL_TYPE of ``settings`` (eager, one model at a time)."""
+    cfg = model_config(settings)
+    out = {}
+    for mt in dict.fromkeys(["pre", *settings.model_types]):
+        torch.manual_seed(settings.seed)
+        model = build_model(dataclasses.replace(cfg), mt).train()
+        ids = torch.randint(0, cfg.vocab_size, (settings.batch, settings.seq), device=settings.device)
+        out[mt] = activation_breakdown(model, ids)
+        del model
+        gc.collect()
+    return out
+
+
+def breakdown_markdown(result: Dict[str, Dict[str, float]]) -> str:
+    """One column per MODEL_TYPE, one row per place (d_model-sized vectors per token and layer)."""
+    types = list(result)
+    places = list(dict.fromkeys(k for mt in types for k in result[mt]))
+    lines = ["| saved in | " + " | ".join(types) + " |", "| --- |" + " ---: |" * len(types)]
+    for place in places:
+        lines.append(f"| {place} | " + " | ".join(f"{result[mt].get(place, 0.0):.2f}" for mt in types) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{sum(result[mt].values()):.2f}**" for mt in types) + " |")
+    return "\n".join(lines) + "\n"

@@ -77,3 +77,22 @@ def test_recomputing_cuts_the_multi_stream_variants_activation_memory(model_type
         model = build_model(tiny_config(n_layers=3, d_model=64), model_type)
         saved[on] = activation_bytes(model, lambda: _tiny_loss(model, ids))
     assert saved[True] < 0.85 * saved[False], saved
+
+
+def test_breakdown_charges_every_saved_byte_to_a_place():
+    """The breakdown adds up to activation_bytes, pre's blocks save nothing outside OLMo's modules, and hc's depth
+    connection shows up where its bytes are saved."""
+    from siamesenorm.benchmark import _loss, activation_breakdown
+
+    cfg = tiny_config()
+    ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    for model_type in ("pre", "hc"):
+        model = build_model(cfg, model_type).train()
+        places = activation_breakdown(model, ids)
+        total = activation_bytes(model, lambda: _loss(model, ids))
+        assert sum(places.values()) * ids.numel() * cfg.d_model * 4 * cfg.n_layers == pytest.approx(total)
+        own = {k: v for k, v in places.items() if k.startswith("block:")}
+        if model_type == "pre":
+            assert own == {} and places["attn_norm"] > 0
+        else:
+            assert own["block: depth_connection"] > 0 and "attn_norm" not in places
