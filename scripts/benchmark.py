@@ -37,17 +37,24 @@ def main(argv=None) -> int:
                         help="instead of timing: where each variant's activation bytes go (eager, one forward), as "
                         "d_model-sized vectors per token and layer, by the module (or, inside a block's own code, "
                         "the function) that saved them")
+    parser.add_argument("--recompute-cost", action="store_true",
+                        help="instead of the table: eager step time with recompute on and off, interleaved in one "
+                        "process, as ratios to pre")
     args = parser.parse_args(argv)
     types = list(MODEL_TYPES) if args.model_types == ["all"] else args.model_types
     unknown = [t for t in types if t not in MODEL_TYPES]
     if unknown:
         parser.error(f"unknown MODEL_TYPE {unknown[0]!r}; valid: {', '.join(MODEL_TYPES)} or all")
-    from siamesenorm.benchmark import BenchSettings, breakdown, breakdown_markdown, run, save, to_markdown
+    from siamesenorm.benchmark import BenchSettings, breakdown, breakdown_markdown, recompute_cost, run, save, to_markdown
 
     settings = BenchSettings(recipe=args.recipe, model_types=types, layers=args.layers, d_model=args.d_model, vocab=args.vocab,
                              batch=args.batch, seq=args.seq, repeats=args.repeats,
                              steps_per_timing=args.steps_per_timing, modes=args.modes,
                              group_size=args.group_size)
+    if args.recompute_cost:
+        for mt, r in recompute_cost(settings).items():
+            print(f"{mt:15s} recompute on {r['on']:.3f}  off {r['off']:.3f}  (step time / pre's, recompute on)")
+        return 0
     if args.breakdown:
         print(breakdown_markdown(breakdown(settings)))
         return 0

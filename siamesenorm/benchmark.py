@@ -345,3 +345,29 @@ def breakdown_markdown(result: Dict[str, Dict[str, float]]) -> str:
         lines.append(f"| {place} | " + " | ".join(f"{result[mt].get(place, 0.0):.2f}" for mt in types) + " |")
     lines.append("| **total** | " + " | ".join(f"**{sum(result[mt].values()):.2f}**" for mt in types) + " |")
     return "\n".join(lines) + "\n"
+
+
+def recompute_cost(settings: BenchSettings) -> Dict[str, Dict[str, float]]:
+    """Step time with recompute on and off (``variants._block.RECOMPUTE``), eager, every variant and both settings
+    interleaved in one process for ``repeats`` rounds: {model_type: {"on": x pre, "off": x pre}}, both divided by
+    pre with recompute on (pre's blocks are OLMo's own, so its two timings differ only by noise)."""
+    from torch.utils.benchmark import Timer
+
+    from .variants import _block
+
+    cfg = model_config(settings)
+    steps = {mt: _Variant(mt, "eager", settings, cfg) for mt in dict.fromkeys(["pre", *settings.model_types])}
+    times: Dict[tuple, List[float]] = {(mt, on): [] for mt in steps for on in (True, False)}
+    saved = _block.RECOMPUTE
+    try:
+        for _ in range(settings.repeats):
+            for mt, v in steps.items():
+                for on in (True, False):
+                    _block.RECOMPUTE = on
+                    timer = Timer(stmt="step()", globals={"step": v.step})
+                    times[(mt, on)].append(timer.timeit(1).median)
+    finally:
+        _block.RECOMPUTE = saved
+    base = statistics.median(times[("pre", True)])
+    return {mt: {("on" if on else "off"): statistics.median(times[(mt, on)]) / base for on in (True, False)}
+            for mt in steps}

@@ -99,3 +99,16 @@ def test_breakdown_charges_every_saved_byte_to_a_place():
             assert own == {} and places["attn_norm"] > 0
         else:
             assert own["block: depth_connection"] > 0 and "attn_norm" not in places
+
+
+def test_recompute_cost_times_both_settings_against_pre():
+    from siamesenorm.benchmark import recompute_cost
+    import siamesenorm.variants._block as base
+
+    settings = BenchSettings(model_types=["hybrid_pre"], layers=1, d_model=32, batch=1, seq=16, repeats=2,
+                             device="cpu")
+    before = base.RECOMPUTE
+    result = recompute_cost(settings)
+    assert base.RECOMPUTE == before  # restored
+    assert set(result) == {"pre", "hybrid_pre"} and result["pre"]["on"] == 1.0
+    assert all(v > 0 for r in result.values() for v in r.values())
