@@ -69,7 +69,7 @@ def compare(first: str, second: str) -> int:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, help="dump or compare")
     d = sub.add_parser("dump", help="build the models of the tree on PYTHONPATH and save them")
     d.add_argument("out", help="file to write (.pt)")
     c = sub.add_parser("compare", help="compare two dumps")
