@@ -8,6 +8,7 @@ in ``plot_*``; scripts/analyze.py is the command line.
 | stream_ratios | figure 6     | a post_pre / hybrid_pre model           |
 | lens          | section 5.2  | a multi-stream model and tokens         |
 | depth         | introduction | a model and tokens (layer pruning)      |
+| massive       | v1 limits    | a model and tokens (Sun et al. 2024)    |
 | loss_curves   | figs 2b,4,8  | run folders (metrics.jsonl)             |
 
 A tool that does not apply to a model (stream ratios of a single-stream model) raises NotApplicable with the
@@ -37,6 +38,8 @@ __all__ = [
     "eval_tokens",
     "perplexity",
     "hidden_magnitudes",
+    "layer_streams",
+    "massive_activations",
     "stream_ratios",
     "fusion_and_lens",
     "lens_agreement",
@@ -148,10 +151,9 @@ def _captured_streams(model: OLMo):
 
 # ---- figure 2a: hidden-state magnitude per layer and stream ---------------------------------------------------------
 @torch.no_grad()
-def hidden_magnitudes(model: OLMo, batch: torch.Tensor) -> Dict:
-    """RMS (over features, averaged over tokens and the batch) of every stream after each layer; layer 0 is the
-    embedding (copied into every stream). A bounded (normalised) stream stays at its norm's scale; a Pre-Norm
-    stream grows with depth."""
+def layer_streams(model: OLMo, batch: torch.Tensor) -> tuple[List[str], List[List[torch.Tensor]]]:
+    """(stream names, per layer the list of each stream's hidden state (B, T, d)): layer 0 is the embedding (copied
+    into every stream), layer l the state after block l (the last one before the output fusion)."""
     names = stream_names(model)
     n_blocks = len(_blocks(model))
     with _captured_streams(model) as (inputs, outputs, final):
@@ -160,10 +162,43 @@ def hidden_magnitudes(model: OLMo, batch: torch.Tensor) -> Dict:
     for i in range(1, n_blocks):
         per_layer.append(list(inputs[i].chunk(len(names), dim=-1)))
     per_layer.append(final[0] if final else [outputs[0]])
+    return names, per_layer
+
+
+def hidden_magnitudes(model: OLMo, batch: torch.Tensor) -> Dict:
+    """RMS (over features, averaged over tokens and the batch) of every stream after each layer; layer 0 is the
+    embedding (copied into every stream). A bounded (normalised) stream stays at its norm's scale; a Pre-Norm
+    stream grows with depth."""
+    names, per_layer = layer_streams(model, batch)
     rms = {name: [float(layer[j].float().pow(2).mean(-1).sqrt().mean()) for layer in per_layer]
            for j, name in enumerate(names)}
     return {"model_type": model.config.model_type, "layers": list(range(len(per_layer))), "streams": names,
             "rms": rms, "note": "layer 0 = embedding; layer l = after block l; RMS over features, mean over tokens"}
+
+
+# ---- massive activations (Sun et al. 2024; the paper's stated limitation) ------------------------------------------
+def massive_activations(model: OLMo, batch: torch.Tensor, top: int = 3) -> Dict:
+    """Per layer and stream: the ``top`` largest activation magnitudes |h| over every token and feature, the median
+    |h|, and the ratio of the largest to the median, as Sun et al. ("Massive Activations in Large Language Models",
+    2024) report them (their criterion for a massive activation: |h| > 100 and about 1,000 x the median). Where
+    they sit: the feature and the position (in the sequence) of the largest one."""
+    names, per_layer = layer_streams(model, batch)
+    out: Dict[str, Dict[str, List]] = {}
+    for j, name in enumerate(names):
+        rows = {"top": [], "median": [], "ratio": [], "feature": [], "position": []}
+        for layer in per_layer:
+            mag = layer[j].float().abs()
+            values, where = mag.flatten().topk(min(top, mag.numel()))
+            median = float(mag.median())
+            rows["top"].append([float(v) for v in values])
+            rows["median"].append(median)
+            rows["ratio"].append(float(values[0]) / median if median > 0 else math.inf)
+            rows["feature"].append(int(where[0] % mag.shape[-1]))
+            rows["position"].append(int(where[0] // mag.shape[-1] % mag.shape[-2]))
+        out[name] = rows
+    return {"model_type": model.config.model_type, "layers": list(range(len(per_layer))), "streams": names,
+            "massive": out, "note": "layer 0 = embedding; layer l = after block l; top |h| over all tokens and "
+                                    "features; ratio = top / median |h|"}
 
 
 # ---- figure 6: ratio of the two streams' input norm scales ----------------------------------------------------------

@@ -10,6 +10,14 @@ A plan (YAML, e.g. configs/sweeps/study-cpu.yaml)::
     groups:                            # cells = the product of each group's lists
       - {methods: [pre, hybrid_pre], learning_rates: [1e-2, 1e-1], seeds: [1]}
       - {methods: [hybrid_pre], learning_rates: [1e-2], seeds: [1], knobs: {siamese_depth_scaling: false}}
+      - {methods: [pre], learning_rates: [1e-2], seeds: [1], knobs: {n_layers: 4, d_model: 128}}
+      - {methods: [pre], learning_rates: [1e-2], seeds: [1], settings: {scheduler.t_warmup: 0}}
+      - {methods: [hybrid_pre], learning_rates: [1e-2], seeds: [1], settings: {max_duration: 4000},
+         analyse_every: 500}
+
+``knobs`` are model fields (``--model.KEY=VALUE``), ``settings`` any other config path (``--KEY=VALUE``); both name
+the cell. ``analyse_every: N`` keeps a checkpoint every N steps and writes ``analysis-steps.json`` (every analysis
+at each of them) beside ``analysis.json``: how the streams evolve over training.
 
 A cell is done when ``{results}/{cell}/run.json`` says finished or diverged (both are final results); any other
 cell is (re)started with the same command, which resumes from its latest checkpoint (``try_load_latest_save``).
@@ -49,17 +57,21 @@ class Cell:
     model_type: str
     learning_rate: float
     seed: int
-    knobs: tuple = ()
+    knobs: tuple = ()  # ((model field, value), ...)
+    settings: tuple = ()  # ((config path, value), ...)
+    analyse_every: Optional[int] = None  # keep and analyse a checkpoint every this many steps
 
     @property
     def name(self) -> str:
-        knobs = "".join(f"-{k}={_fmt(v)}" for k, v in self.knobs)
-        return f"{self.model_type}{knobs}-lr{_fmt(self.learning_rate)}-s{self.seed}"
+        changes = "".join(f"-{k}={_fmt(v)}" for k, v in self.knobs + self.settings)
+        return f"{self.model_type}{changes}-lr{_fmt(self.learning_rate)}-s{self.seed}"
 
     def overrides(self) -> List[str]:
-        return [f"--optimizer.learning_rate={self.learning_rate}", f"--seed={self.seed}"] + [
-            f"--model.{k}={_fmt(v)}" for k, v in self.knobs
-        ]
+        every = [] if self.analyse_every is None else [
+            f"--save_interval_unsharded={self.analyse_every}", "--save_num_unsharded_checkpoints_to_keep=-1"]
+        return ([f"--optimizer.learning_rate={self.learning_rate}", f"--seed={self.seed}"]
+                + [f"--model.{k}={_fmt(v)}" for k, v in self.knobs]
+                + [f"--{k}={_fmt(v)}" for k, v in self.settings] + every)
 
 
 def _fmt(value) -> str:
@@ -86,8 +98,10 @@ def load_plan(path: str | Path) -> Plan:
     cells: List[Cell] = []
     for group in raw["groups"]:
         knobs = tuple(sorted((group.get("knobs") or {}).items()))
+        settings = tuple(sorted((group.get("settings") or {}).items()))
+        every = group.get("analyse_every")
         for mt, lr, seed in itertools.product(group["methods"], group["learning_rates"], group.get("seeds", [1])):
-            cell = Cell(mt, float(lr), int(seed), knobs)
+            cell = Cell(mt, float(lr), int(seed), knobs, settings, None if every is None else int(every))
             if cell not in cells:
                 cells.append(cell)
     return Plan(raw["recipe"], raw["runs"], raw["results"], cells, list(raw.get("overrides") or []),
@@ -120,6 +134,11 @@ def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
     if record["status"] == "finished":
         analyses = analyse(run_dir, plan.analysis_sequences, plan.analysis_tokens)
         (out / "analysis.json").write_text(json.dumps(analyses, indent=1) + "\n")
+        if cell.analyse_every is not None:
+            steps = {}
+            for ckpt in sorted(run_dir.glob("step*-unsharded"), key=lambda p: int(p.name[4:].split("-")[0])):
+                steps[ckpt.name[4:].split("-")[0]] = analyse(ckpt, plan.analysis_sequences, plan.analysis_tokens)
+            (out / "analysis-steps.json").write_text(json.dumps(steps, indent=1) + "\n")
     for name in KEPT:  # the record last: its presence marks the cell done
         if name != RECORD_NAME and (run_dir / name).is_file():
             shutil.copy2(run_dir / name, out / name)
@@ -141,6 +160,7 @@ def analyse(run_dir: Path, max_sequences: int, tokens: Optional[str] = None) -> 
         "stream_ratios": lambda: analysis.stream_ratios(model),
         "lens": lambda: analysis.fusion_and_lens(model, batch),
         "depth": lambda: analysis.depth_probe(model, batch),
+        "massive": lambda: analysis.massive_activations(model, batch),
     }
     results: Dict = {"eval_sequences": int(batch.shape[0])}
     for name, tool in tools.items():
