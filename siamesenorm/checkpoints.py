@@ -2,137 +2,68 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import pathlib
-import pickle
-import pickletools
-import zipfile
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 from omegaconf import OmegaConf as om
 
 from .config import LEGACY_KNOBS
+from .safeload import UnsafeCheckpoint, allow_checkpoint_types, check_torch_file, checked_loads, load, sharded_limit
 
 log = logging.getLogger(__name__)
 
 __all__ = ["load_model_state", "load_saved_config", "legacy_overrides", "allow_checkpoint_types", "UnsafeCheckpoint",
-           "find_unsafe_file"]
-
-
-class UnsafeCheckpoint(RuntimeError):
-    """A checkpoint file holds an object outside the allow-list; nothing in it was executed."""
-
-
-def _sharded_tensor_types() -> tuple:
-    from torch.distributed._shard.metadata import ShardMetadata
-    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import (
-        MEM_FORMAT_ENCODING,
-        ShardedTensorMetadata,
-        TensorProperties,
-    )
-    from torch.distributed._shard.sharded_tensor.shard import Shard
-    from torch.distributed._shard.sharding_spec import (
-        ChunkShardingSpec,
-        DevicePlacementSpec,
-        EnumerableShardingSpec,
-    )
-    from torch.distributed.remote_device import _remote_device
-
-    # the sharding specs are plain dataclasses; which one a shard holds depends on how FSDP split the parameter
-    return (ShardedTensor, ShardedTensor.ProcessGroupState, Shard, ShardMetadata, ShardedTensorMetadata,
-            TensorProperties, MEM_FORMAT_ENCODING, _remote_device, ChunkShardingSpec, EnumerableShardingSpec,
-            DevicePlacementSpec)
-
-
-def _checkpoint_getattr(obj, name: str):
-    """The only attribute look-ups a checkpoint may make while unpickling: an enum member of the sharded-tensor
-    metadata and ShardedTensor's ProcessGroupState (both written by pickling FSDP's torch_legacy shards)."""
-    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
-    from torch.distributed._shard.sharded_tensor.metadata import MEM_FORMAT_ENCODING
-
-    if obj is MEM_FORMAT_ENCODING and name in MEM_FORMAT_ENCODING.__members__:
-        return MEM_FORMAT_ENCODING[name]
-    if obj is ShardedTensor and name == "ProcessGroupState":
-        return ShardedTensor.ProcessGroupState
-    raise pickle.UnpicklingError(f"attribute {name!r} of {obj!r} is not on the checkpoint allow-list")
-
-
-def allow_checkpoint_types() -> None:
-    """Let torch.load with weights_only=True (torch's default) read what OLMo's trainer writes, and nothing more:
-    the trainer state's paths and numpy RNG state, and FSDP's sharded tensors. Idempotent."""
-    torch.serialization.add_safe_globals(
-        [
-            pathlib.PosixPath,
-            np.core.multiarray._reconstruct,
-            np.ndarray,
-            np.dtype,
-            type(np.dtype(np.uint32)),
-            *_sharded_tensor_types(),
-            (_checkpoint_getattr, "builtins.getattr"),
-        ]
-    )
-
-
-def pickle_globals(path: str | Path) -> set[str]:
-    """Every global (``module.name``) the pickle inside a torch checkpoint file refers to, read statically with
-    pickletools: nothing is unpickled, nothing runs."""
-    names: set[str] = set()
-    with zipfile.ZipFile(path) as archive:
-        for member in (m for m in archive.namelist() if m.endswith("data.pkl")):
-            strings: list[str] = []
-            for opcode, arg, _ in pickletools.genops(archive.read(member)):
-                if opcode.name == "GLOBAL":
-                    names.add(arg.replace(" ", "."))
-                elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
-                    names.add(f"{strings[-2]}.{strings[-1]}")
-                elif isinstance(arg, str):
-                    strings.append(arg)
-    return {"builtins." + n[len("__builtin__."):] if n.startswith("__builtin__.") else n for n in names}
-
-
-def _allowed_names() -> set[str]:
-    from torch import _weights_only_unpickler as wou
-
-    return set(wou._get_allowed_globals()) | set(wou._get_user_allowed_globals())
+           "find_unsafe_file", "check_saved_yaml"]
 
 
 def find_unsafe_file(folder: str | Path) -> Optional[tuple[Path, str]]:
-    """(file, reason) for the first ``*.pt`` in ``folder`` that refers to a global outside what torch.load with
-    weights_only=True accepts plus this project's allow-list, else None. Read statically (pickle_globals)."""
-    allow_checkpoint_types()
-    allowed = _allowed_names()
+    """(file, reason) for the first checkpoint file in ``folder`` that safeload.check_torch_file refuses, else None."""
     for path in sorted(Path(folder).glob("*.pt")):
-        try:
-            outside = sorted(pickle_globals(path) - allowed)
-        except zipfile.BadZipFile:
-            return path, "not a torch checkpoint file (not a zip archive)"
-        if outside:
-            return path, f"refers to {', '.join(outside[:3])}"
+        with open(path, "rb") as f:
+            try:
+                check_torch_file(f, str(path), sharded_limit(path))
+            except UnsafeCheckpoint as refused:
+                return path, str(refused)
     return None
 
 
-def refuse_unsafe(folder: str | Path) -> None:
-    """Raise UnsafeCheckpoint naming the offending file, if there is one."""
-    found = find_unsafe_file(folder)
-    if found is not None:
-        path, detail = found
-        raise UnsafeCheckpoint(
-            f"refusing to load {path}: it holds an object outside the checkpoint allow-list ({detail[:200]}); "
-            "nothing in it was run. Use checkpoints written by this project's training, or convert the file "
-            "where you trust it."
-        )
+MAX_CONFIG_BYTES = 2**20
+
+
+def check_saved_yaml(path: str | Path) -> None:
+    """A checkpoint's config.yaml is data: at most MAX_CONFIG_BYTES, no YAML aliases (they can expand without bound),
+    no omegaconf interpolation or resolver (``${oc.env:SECRET}`` would read this machine's environment)."""
+    import yaml
+
+    path = Path(path)
+    if path.stat().st_size > MAX_CONFIG_BYTES:
+        raise UnsafeCheckpoint(f"refusing to read {path}: {path.stat().st_size:,d} bytes, more than a config holds")
+    text = path.read_text(errors="replace")
+    try:
+        if any(isinstance(e, yaml.AliasEvent) for e in yaml.parse(text, Loader=yaml.SafeLoader)):
+            raise UnsafeCheckpoint(f"refusing to read {path}: it uses YAML aliases (*name), which a saved config "
+                                   "never holds")
+    except yaml.YAMLError as err:
+        raise UnsafeCheckpoint(f"refusing to read {path}: not valid YAML ({str(err).splitlines()[0]})") from None
+    stack = [((), om.to_container(om.create(yaml.safe_load(text) or {}), resolve=False))]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend((where + (str(k),), v) for k, v in value.items())
+        elif isinstance(value, list):
+            stack.extend((where + (str(i),), v) for i, v in enumerate(value))
+        elif isinstance(value, str) and "${" in value:
+            raise UnsafeCheckpoint(f"refusing to read {path}: {'.'.join(where)} holds an omegaconf interpolation "
+                                   f"({value[:60]!r}); a saved config holds plain values only")
 
 
 def legacy_overrides(config_yaml: str | Path) -> List[str]:
     """``--model.FIELD=VALUE`` for every LEGACY_KNOBS field that a saved config.yaml lacks: a checkpoint written
     before the field existed (or before its default changed) loads as the model it was trained as."""
-    raw = om.to_container(om.load(str(config_yaml)))
+    check_saved_yaml(config_yaml)
+    raw = om.to_container(om.load(str(config_yaml)), resolve=False)
     model = (raw or {}).get("model") or {}
     missing = [(k, v) for k, v in LEGACY_KNOBS.items() if k not in model]
     for name, value in missing:
@@ -147,36 +78,19 @@ def load_saved_config(config_yaml: str | Path, overrides: Optional[List[str]] = 
     return load_config(str(config_yaml), legacy_overrides(config_yaml) + list(overrides or []))
 
 
-@contextlib.contextmanager
-def _unrestricted_torch_load():
-    """torch.load without weights_only inside the block, for files already checked by find_unsafe_file."""
-    previous = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD")
-    os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            os.environ.pop("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", None)
-        else:
-            os.environ["TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD"] = previous
-
-
 def load_model_state(checkpoint_dir: str | Path) -> Dict[str, torch.Tensor]:
     """Full (unsharded) model state dict of an unsharded (``stepN-unsharded/model.pt``) or a torch_legacy sharded
     checkpoint (``stepN/rank*.pt``, unsharded here in one process)."""
     folder = Path(checkpoint_dir)
-    allow_checkpoint_types()
-    refuse_unsafe(folder)
     if (folder / "model.pt").is_file():
-        return torch.load(folder / "model.pt", map_location="cpu", weights_only=True)
+        return load(folder / "model.pt", map_location="cpu")
     if list(folder.glob("rank*.pt")):
         from olmo.checkpoint import TorchLegacyShardedCheckpointer
 
         cfg = load_saved_config(folder / "config.yaml")
-        # OLMo unshards FSDP's shards in one process by patching how torch rebuilds a ShardedTensor, which torch's
-        # weights_only unpickler bypasses. The shards were checked above: every global they refer to is on the
-        # allow-list, so they are loaded with weights_only=False for this call only.
-        with _unrestricted_torch_load():
+        # OLMo unshards in one process by patching how torch rebuilds a ShardedTensor; every rank file it opens is
+        # checked by safeload.load and read with weights_only=True.
+        with checked_loads():
             model_state, _, _ = TorchLegacyShardedCheckpointer(cfg).unshard_checkpoint(
                 folder, load_optimizer_state=False, load_trainer_state=False
             )

@@ -97,11 +97,14 @@ def _read_json(path: Path) -> dict:
 
 
 def checkpoint_model_type(load_path: str) -> Optional[str]:
+    from .checkpoints import check_saved_yaml
+
     cfg_path = Path(load_path) / "config.yaml"
     if not cfg_path.is_file():
         return None
-    raw = om.load(str(cfg_path))
-    return raw.get("model", {}).get("model_type")
+    check_saved_yaml(cfg_path)
+    raw = om.to_container(om.load(str(cfg_path)), resolve=False) or {}
+    return (raw.get("model") or {}).get("model_type")
 
 
 def resolve_run_model_type(cfg: SiameseTrainConfig, load_path: Optional[str]) -> tuple[str, str]:

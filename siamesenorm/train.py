@@ -26,10 +26,11 @@ from typing import Dict, List, Optional
 import numpy as np
 from omegaconf import OmegaConf as om
 
-from .checkpoints import allow_checkpoint_types, refuse_unsafe
+from .checkpoints import allow_checkpoint_types
 from .console import detach_run_logs
 from .config import validate_model_config
 from .model import build_model, num_params_from_config
+from .safeload import UnsafeCheckpoint, checked_loads
 from .records import EXIT_DIVERGED, RECORD_NAME, Diverged, StabilityMonitor, config_hash, recipe_hash, variant_knobs
 from .runconfig import (
     RunError,
@@ -258,19 +259,22 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
         # checkpointer fails now rather than hours in.
         kind = CheckpointType.unsharded if str(cfg.distributed_strategy) == "ddp" else CheckpointType.sharded
         path, cache = trainer.save_checkpoint(checkpoint_type=kind)
-        trainer.restore_checkpoint(path, checkpoint_type=kind, local_cache=cache)
+        with checked_loads():
+            trainer.restore_checkpoint(path, checkpoint_type=kind, local_cache=cache)
     if load_path is not None:
         log.info("Resuming from %s", load_path)
         try:
-            trainer.restore_checkpoint(
-                load_path,
-                load_optimizer_state=not cfg.reset_optimizer_state,
-                load_trainer_state=not cfg.reset_trainer_state,
-                sharded_checkpointer=cfg.load_path_sharded_checkpointer,
-            )
-        except pickle.UnpicklingError as err:  # torch.load with weights_only=True refused a file
-            refuse_unsafe(load_path)
-            raise RunError(f"cannot load {load_path}: {str(err).splitlines()[0]}") from err
+            with checked_loads():  # every file OLMo opens: checked, then read with weights_only=True
+                trainer.restore_checkpoint(
+                    load_path,
+                    load_optimizer_state=not cfg.reset_optimizer_state,
+                    load_trainer_state=not cfg.reset_trainer_state,
+                    sharded_checkpointer=cfg.load_path_sharded_checkpointer,
+                )
+        except UnsafeCheckpoint as err:
+            raise RunError(str(err)) from None
+        except pickle.UnpicklingError as err:  # torch's weights_only reader refused what our check let through
+            raise RunError(f"cannot load {load_path}: {str(err).splitlines()[0]}") from None
         if cfg.reset_optimizer_state and not cfg.reset_trainer_state:  # as OLMo's script: warm up again
             trainer.scheduler = bolt_on.wrap(trainer.scheduler, trainer.global_step,
                                              int(trainer.global_step + cfg.scheduler.t_warmup))

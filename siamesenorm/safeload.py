@@ -1,0 +1,544 @@
+"""Loading checkpoint files that may come from anyone: nothing in them runs, and nothing in them makes us allocate
+more than the file itself holds.
+
+Every checkpoint file this project opens, from every entry point (train --load_path and resume, FSDP rank files,
+analyze, export, generate), goes through ``load``:
+
+1. ``check_torch_file`` reads the torch zip archive and unpickles its ``data.pkl`` with an unpickler of our own
+   whose ``find_class`` knows a fixed table of names (``_ALLOWED``) and returns, for each, an inert stand-in that
+   only records its arguments: no class or function of the checkpoint's choosing is ever called. Python's unpickler
+   asks ``find_class`` for every global however the pickle names it (GLOBAL, STACK_GLOBAL with strings from the
+   memo, extension codes), so no naming trick gets past the table. The same pass checks every size against what
+   the file holds: each archive member is stored uncompressed (a member cannot inflate), ``data.pkl`` is at most
+   ``MAX_PICKLE_BYTES``, every storage's element count matches its member's bytes, every tensor view lies inside its
+   storage and has no more elements than the storage (no stride-0 blow-up), every numpy array's shape matches its
+   raw bytes, and every sharded tensor's global and shard sizes fit in the checkpoint's files together.
+2. Only then does torch read the same open file with ``weights_only=True`` and this project's allow-list
+   (``checkpoints.allow_checkpoint_types``): torch's own restricted unpickler, given bytes already checked.
+
+OLMo's ``<name>.safetensors`` files (OLMo prefers them to ``.pt`` and names their tensors with pickles) are read by
+``load_olmo_safetensors``: the names are unpickled by the same unpickler with no global allowed at all.
+``checked_loads`` routes OLMo's own ``torch.load`` and safetensors calls through these while it restores or unshards.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import io
+import math
+import pickle
+import zipfile
+from collections import OrderedDict
+from pathlib import Path
+from typing import Any, BinaryIO, Callable, Dict, Optional
+
+import torch
+
+__all__ = ["UnsafeCheckpoint", "check_torch_file", "load", "allow_checkpoint_types", "sharded_limit", "load_olmo_safetensors", "checked_loads", "unpickle_plain",
+           "MAX_PICKLE_BYTES"]
+
+MAX_PICKLE_BYTES = 256 * 2**20  # a 1.3B model's FSDP rank file pickles to a few MB
+MAX_DIMS = 64
+
+_torch_load = torch.load  # the real one, also while checked_loads has replaced torch.load
+
+
+class UnsafeCheckpoint(RuntimeError):
+    """A checkpoint file was refused before anything in it was run or allocated; the message says why."""
+
+
+class _Refused(Exception):
+    pass
+
+
+# ---- inert stand-ins ---------------------------------------------------------------------------------------------
+class _Stub:
+    """An instance of an allowed class: NEWOBJ / REDUCE / BUILD only record their arguments."""
+
+    def __new__(cls, *args, **kwargs):
+        obj = object.__new__(cls)
+        obj.args, obj.state = args, None
+        return obj
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __setstate__(self, state):
+        self.state = state
+
+
+def _stub(name: str) -> type:
+    return type(name, (_Stub,), {})
+
+
+_SHARD_CLASSES = {
+    "torch.distributed._shard.sharded_tensor.api.ShardedTensor": _stub("ShardedTensor"),
+    "torch.distributed._shard.sharded_tensor.shard.Shard": _stub("Shard"),
+    "torch.distributed._shard.metadata.ShardMetadata": _stub("ShardMetadata"),
+    "torch.distributed._shard.sharded_tensor.metadata.ShardedTensorMetadata": _stub("ShardedTensorMetadata"),
+    "torch.distributed._shard.sharded_tensor.metadata.TensorProperties": _stub("TensorProperties"),
+    "torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING": _stub("MEM_FORMAT_ENCODING"),
+    "torch.distributed.remote_device._remote_device": _stub("_remote_device"),
+    "torch.distributed._shard.sharding_spec.chunk_sharding_spec.ChunkShardingSpec": _stub("ChunkShardingSpec"),
+    "torch.distributed._shard.sharding_spec.api.EnumerableShardingSpec": _stub("EnumerableShardingSpec"),
+    "torch.distributed._shard.sharding_spec.api.DevicePlacementSpec": _stub("DevicePlacementSpec"),
+}
+_SHARDED = _SHARD_CLASSES["torch.distributed._shard.sharded_tensor.api.ShardedTensor"]
+_MEM_FORMAT = _SHARD_CLASSES["torch.distributed._shard.sharded_tensor.metadata.MEM_FORMAT_ENCODING"]
+_PROCESS_GROUP_STATE = _stub("ProcessGroupState")
+_MEM_FORMATS = ("TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST", "TORCH_PRESERVE_FORMAT")
+
+
+class _StorageType:
+    def __init__(self, dtype: torch.dtype):
+        self.dtype = dtype
+
+
+class _Storage:
+    def __init__(self, dtype: torch.dtype, numel: int):
+        self.dtype, self.numel = dtype, numel
+
+
+class _Tensor:
+    def __init__(self, dtype: torch.dtype, shape: tuple):
+        self.dtype, self.shape, self.state = dtype, shape, None
+
+
+class _NumpyDType(_Stub):
+    def __new__(cls, name=None, *args):
+        import numpy as np
+
+        if not isinstance(name, str) or name not in _NUMPY_DTYPES:
+            raise _Refused(f"a numpy array of dtype {name!r} (only plain numbers are allowed)")
+        obj = super().__new__(cls)
+        obj.itemsize = np.dtype(name).itemsize
+        return obj
+
+    def __setstate__(self, state):
+        if not (isinstance(state, tuple) and len(state) >= 5 and state[2] is None and state[3] is None
+                and state[4] is None):
+            raise _Refused("a numpy dtype with fields or sub-arrays")
+
+
+class _NumpyArray(_Stub):
+    def __setstate__(self, state):
+        if not (isinstance(state, tuple) and len(state) == 5):
+            raise _Refused("a numpy array with an unexpected state")
+        _, shape, dtype, _, raw = state
+        dims = _dims(shape, "numpy array shape")
+        if not isinstance(dtype, _NumpyDType):
+            raise _Refused("a numpy array without a plain dtype")
+        if not isinstance(raw, (bytes, bytearray)):
+            raise _Refused("a numpy array whose data are not raw bytes (object arrays are not allowed)")
+        if math.prod(dims) * dtype.itemsize != len(raw):
+            raise _Refused(f"a numpy array of shape {dims} with {len(raw)} bytes of data")
+
+
+_NUMPY_DTYPES = {f"{k}{n}" for k in "iu" for n in (1, 2, 4, 8)} | {"f2", "f4", "f8", "b1", "c8", "c16"}
+
+
+def _dims(value, what: str) -> tuple:
+    if not isinstance(value, (tuple, list)) or len(value) > MAX_DIMS or not all(
+            isinstance(d, int) and not isinstance(d, bool) and 0 <= d < 2**62 for d in value):
+        raise _Refused(f"a {what} that is not a short list of non-negative integers")
+    return tuple(value)
+
+
+# ---- the unpickler -------------------------------------------------------------------------------------------------
+class _Unpickler(pickle.Unpickler):
+    """Knows only ``self.allowed``; storages come from ``self.storage`` (None: a pickle that may hold none)."""
+
+    def __init__(self, data: bytes, allowed: Dict[str, Any], storage: Optional[Callable] = None):
+        super().__init__(io.BytesIO(data))
+        self.allowed, self.storage = allowed, storage
+
+    def find_class(self, module: str, name: str):
+        module = {"__builtin__": "builtins", "copy_reg": "copyreg"}.get(module, module)
+        full = f"{module}.{name}"
+        if full not in self.allowed:
+            raise _Refused(f"it refers to {full}, which is not on the checkpoint allow-list")
+        return self.allowed[full]
+
+    def persistent_load(self, pid):
+        if self.storage is None:
+            raise _Refused("a tensor storage where none may be")
+        return self.storage(pid)
+
+
+def _rebuild_tensor(storage, offset, size, stride, *rest):
+    if not isinstance(storage, _Storage):
+        raise _Refused("a tensor without a storage of this file")
+    dims, strides = _dims(size, "tensor size"), _dims(stride, "tensor stride")
+    if len(dims) != len(strides) or not isinstance(offset, int) or offset < 0:
+        raise _Refused("a tensor whose size, stride and offset disagree")
+    numel = math.prod(dims)
+    if numel > storage.numel:
+        raise _Refused(f"a tensor of {numel:,d} elements viewing a storage of {storage.numel:,d}")
+    if numel and offset + sum((d - 1) * s for d, s in zip(dims, strides)) >= storage.numel:
+        raise _Refused("a tensor that reaches past the end of its storage")
+    hooks = rest[1] if len(rest) > 1 else None
+    if hooks:
+        raise _Refused("a tensor with backward hooks")
+    return _Tensor(storage.dtype, dims)
+
+
+def _rebuild_parameter(data, requires_grad=False, hooks=None, *rest):
+    if not isinstance(data, _Tensor) or hooks:
+        raise _Refused("a parameter that is not a plain tensor")
+    return data
+
+
+class _ShardedBound:
+    """The most elements a sharded tensor may claim: what all the checkpoint's files hold together, in bytes."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+
+    def check(self, dims: tuple, what: str) -> None:
+        if math.prod(dims) > self.limit:
+            raise _Refused(f"a {what} of {math.prod(dims):,d} elements, more than the checkpoint's files hold")
+
+
+def _torch_allowed(bound: _ShardedBound) -> Dict[str, Any]:
+    def wrapper_subclass(cls, dtype, size, *rest):
+        if cls is not _SHARDED or not isinstance(dtype, torch.dtype):
+            raise _Refused("a tensor subclass other than FSDP's ShardedTensor")
+        dims = _dims(size, "sharded tensor size")
+        bound.check(dims, "sharded tensor")
+        return _Tensor(dtype, dims)
+
+    def from_type(func, new_type, args, state):
+        if func not in (_rebuild_tensor, wrapper_subclass, _rebuild_parameter) or new_type not in (_TENSOR, _SHARDED):
+            raise _Refused("a tensor rebuilt in an unknown way")
+        tensor = func(*args)
+        tensor.state = state
+        return tensor
+
+    def restricted_getattr(obj, name):
+        if obj is _MEM_FORMAT and name in _MEM_FORMATS:
+            return name
+        if obj is _SHARDED and name == "ProcessGroupState":
+            return _PROCESS_GROUP_STATE
+        raise _Refused(f"an attribute look-up ({name!r}) that is not on the checkpoint allow-list")
+
+    def layout(name):
+        if name != "torch.strided":
+            raise _Refused(f"a tensor layout {name!r}")
+        return name
+
+    def device(spec, *rest):
+        if not isinstance(spec, (str, int)):
+            raise _Refused("a device that is not a name")
+        return str(spec)
+
+    def size(dims=()):
+        return _dims(dims, "size")
+
+    allowed = {
+        "collections.OrderedDict": OrderedDict,
+        "torch._utils._rebuild_tensor_v2": _rebuild_tensor,
+        "torch._utils._rebuild_tensor": _rebuild_tensor,
+        "torch._utils._rebuild_parameter": _rebuild_parameter,
+        "torch._utils._rebuild_wrapper_subclass": wrapper_subclass,
+        "torch._tensor._rebuild_from_type_v2": from_type,
+        "torch.Tensor": _TENSOR,
+        "torch.Size": size,
+        "torch.device": device,
+        "torch.serialization._get_layout": layout,
+        "builtins.getattr": restricted_getattr,
+        "pathlib.PosixPath": _path,
+        **_SHARD_CLASSES,
+        **_numpy_allowed(),
+        "_codecs.encode": _encode,
+    }
+    for dtype in _TORCH_DTYPES:
+        allowed[str(dtype)] = dtype
+        storage = _STORAGE_NAMES.get(dtype)
+        if storage:
+            allowed[f"torch.{storage}"] = _StorageType(dtype)
+    return allowed
+
+
+_TENSOR = object()  # torch.Tensor as _rebuild_from_type_v2's new_type
+_TORCH_DTYPES = [getattr(torch, n) for n in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
+                                             "int8", "uint8", "bool", "complex64", "complex128")]
+_STORAGE_NAMES = {torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",
+                  torch.bfloat16: "BFloat16Storage", torch.int64: "LongStorage", torch.int32: "IntStorage",
+                  torch.int16: "ShortStorage", torch.int8: "CharStorage", torch.uint8: "ByteStorage",
+                  torch.bool: "BoolStorage", torch.complex64: "ComplexFloatStorage",
+                  torch.complex128: "ComplexDoubleStorage"}
+
+
+def _path(*parts):
+    if not all(isinstance(p, str) for p in parts):
+        raise _Refused("a path made of something other than text")
+    return "/".join(parts)
+
+
+def _encode(text, encoding="utf-8"):
+    if not isinstance(text, str) or encoding not in ("latin1", "latin-1"):
+        raise _Refused("a bytes object in an unexpected encoding")
+    return text.encode("latin1")
+
+
+def _numpy_allowed() -> Dict[str, Any]:
+    ndarray = object()
+
+    def reconstruct(cls, shape=(0,), typecode=b"b"):
+        if cls is not ndarray:
+            raise _Refused("numpy's _reconstruct of something other than an ndarray")
+        return _NumpyArray()
+
+    def scalar(dtype, raw=b""):
+        if not isinstance(dtype, _NumpyDType) or not isinstance(raw, bytes) or len(raw) != dtype.itemsize:
+            raise _Refused("a numpy scalar that is not a plain number")
+        return 0
+
+    out = {}
+    for core in ("numpy.core", "numpy._core"):  # numpy 1 and numpy 2 name their core module differently
+        out[f"{core}.multiarray._reconstruct"] = reconstruct
+        out[f"{core}.multiarray.scalar"] = scalar
+    out["numpy.ndarray"] = ndarray
+    out["numpy.dtype"] = _NumpyDType
+    return out
+
+
+def _walk_shards(root: Any, bound: _ShardedBound) -> None:
+    """Sizes in sharded-tensor metadata (OLMo's unshard allocates from them) against the checkpoint's bytes."""
+    stack, seen = [root], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (str, bytes, bytearray, int, float, type(None))):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, dict):
+            stack.extend(obj.values())
+        elif isinstance(obj, (list, tuple, set, frozenset)):
+            stack.extend(obj)
+        elif isinstance(obj, _Stub):
+            state = obj.state if isinstance(obj.state, dict) else {}
+            if isinstance(obj.state, tuple) and len(obj.state) == 2:  # (__dict__, __slots__ values)
+                state = {k: v for part in obj.state if isinstance(part, dict) for k, v in part.items()}
+            name = type(obj).__name__
+            if name == "ShardMetadata":
+                for key in ("shard_sizes", "shard_offsets"):
+                    if key in state:
+                        dims = _dims(state[key], key)
+                        bound.check(dims if key == "shard_sizes" else (max(dims, default=0),), key)
+            elif name == "ShardedTensorMetadata" and "size" in state:
+                bound.check(_dims(state["size"], "sharded tensor size"), "sharded tensor")
+            stack.extend(obj.args)
+            stack.append(obj.state)
+        elif isinstance(obj, _Tensor):
+            stack.append(obj.state)
+
+
+# ---- torch zip archives --------------------------------------------------------------------------------------------
+def _archive_prefix(archive: zipfile.ZipFile, name: str) -> str:
+    infos = archive.infolist()
+    if not infos:
+        raise _Refused("an empty archive")
+    names = [i.filename for i in infos]
+    if len(set(names)) != len(names):
+        raise _Refused("an archive with two members of the same name")
+    prefix = names[0].split("/", 1)[0]
+    if any(not n.startswith(prefix + "/") for n in names):
+        raise _Refused("an archive whose members are not in one folder")
+    if f"{prefix}/data.pkl" not in names:
+        raise _Refused("no data.pkl in the archive")
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            raise _Refused(f"a compressed member {info.filename} (torch stores every member uncompressed)")
+    return prefix
+
+
+def check_torch_file(file: BinaryIO, name: str, sharded_limit: Optional[int] = None) -> None:
+    """Raise UnsafeCheckpoint (naming ``name``) unless ``file`` is a torch checkpoint made only of what the allow-list
+    names, with every size within what the file holds (module docstring). Reads the file; allocates at most its
+    pickle. ``sharded_limit``: the bytes a sharded tensor may claim (default: this file's size)."""
+    try:
+        file.seek(0, io.SEEK_END)
+        size = file.tell()
+        file.seek(0)
+        try:
+            archive = zipfile.ZipFile(file)
+        except zipfile.BadZipFile:
+            raise _Refused("it is not a torch checkpoint (not a zip archive)") from None
+        with archive:
+            prefix = _archive_prefix(archive, name)
+            info = archive.getinfo(f"{prefix}/data.pkl")
+            if info.file_size > MAX_PICKLE_BYTES:
+                raise _Refused(f"its pickle has {info.file_size:,d} bytes (at most {MAX_PICKLE_BYTES:,d})")
+            data = archive.read(info)
+            storages: Dict[str, _Storage] = {}
+
+            def storage(pid):
+                if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                        and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)
+                        and isinstance(pid[4], int) and pid[4] >= 0):
+                    raise _Refused("a tensor storage reference of an unknown form")
+                _, kind, key, _, numel = pid
+                member = f"{prefix}/data/{key}"
+                try:
+                    stored = archive.getinfo(member).file_size
+                except KeyError:
+                    raise _Refused(f"a storage {key!r} that the archive does not hold") from None
+                if stored != numel * kind.dtype.itemsize:
+                    raise _Refused(f"storage {key!r} claims {numel:,d} elements of {kind.dtype} but holds {stored:,d} "
+                                   "bytes")
+                found = storages.setdefault(key, _Storage(kind.dtype, numel))
+                if found.dtype != kind.dtype or found.numel != numel:
+                    raise _Refused(f"storage {key!r} is used with two different types")
+                return found
+
+            bound = _ShardedBound(sharded_limit if sharded_limit is not None else size)
+            result = _Unpickler(data, _torch_allowed(bound), storage).load()
+            _walk_shards(result, bound)
+    except _Refused as why:
+        raise UnsafeCheckpoint(f"refusing to load {name}: {why}; nothing in it was run. Use checkpoints written by "
+                               "this project's training, or convert the file where you trust it.") from None
+    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, ValueError, TypeError, AttributeError, IndexError,
+            KeyError, RecursionError, OverflowError, MemoryError, UnicodeDecodeError) as err:
+        raise UnsafeCheckpoint(f"refusing to load {name}: it is not a readable torch checkpoint "
+                               f"({type(err).__name__}: {str(err)[:120]}); nothing in it was run.") from None
+
+
+def sharded_limit(path: Path) -> int:
+    """What a sharded tensor in ``path`` may claim: the bytes of all the rank files beside it (or its own)."""
+    ranks = list(path.parent.glob("rank*.pt"))
+    return sum(p.stat().st_size for p in ranks) if path in ranks or path.name.startswith("rank") else path.stat().st_size
+
+
+def load(path, map_location=None, **_ignored):
+    """``torch.load`` for untrusted files: ``check_torch_file`` first, then torch with ``weights_only=True`` on the same
+    open file. ``path`` may be a path or a binary file object."""
+    allow_checkpoint_types()
+    if isinstance(path, (str, Path)):
+        path = Path(path)
+        with open(path, "rb") as f:
+            check_torch_file(f, str(path), sharded_limit(path))
+            f.seek(0)
+            return _torch_load(f, map_location=map_location, weights_only=True)
+    name = getattr(path, "name", "a checkpoint stream")
+    check_torch_file(path, str(name))
+    path.seek(0)
+    return _torch_load(path, map_location=map_location, weights_only=True)
+
+
+# ---- torch's own allow-list, for the second read -------------------------------------------------------------------
+def _sharded_tensor_types() -> tuple:
+    from torch.distributed._shard.metadata import ShardMetadata
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import (
+        MEM_FORMAT_ENCODING,
+        ShardedTensorMetadata,
+        TensorProperties,
+    )
+    from torch.distributed._shard.sharded_tensor.shard import Shard
+    from torch.distributed._shard.sharding_spec import (
+        ChunkShardingSpec,
+        DevicePlacementSpec,
+        EnumerableShardingSpec,
+    )
+    from torch.distributed.remote_device import _remote_device
+
+    # the sharding specs are plain dataclasses; which one a shard holds depends on how FSDP split the parameter
+    return (ShardedTensor, ShardedTensor.ProcessGroupState, Shard, ShardMetadata, ShardedTensorMetadata,
+            TensorProperties, MEM_FORMAT_ENCODING, _remote_device, ChunkShardingSpec, EnumerableShardingSpec,
+            DevicePlacementSpec)
+
+
+def _checkpoint_getattr(obj, name: str):
+    """The only attribute look-ups a checkpoint may make while unpickling: an enum member of the sharded-tensor
+    metadata and ShardedTensor's ProcessGroupState (both written by pickling FSDP's torch_legacy shards)."""
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+    from torch.distributed._shard.sharded_tensor.metadata import MEM_FORMAT_ENCODING
+
+    if obj is MEM_FORMAT_ENCODING and name in MEM_FORMAT_ENCODING.__members__:
+        return MEM_FORMAT_ENCODING[name]
+    if obj is ShardedTensor and name == "ProcessGroupState":
+        return ShardedTensor.ProcessGroupState
+    raise pickle.UnpicklingError(f"attribute {name!r} of {obj!r} is not on the checkpoint allow-list")
+
+
+def allow_checkpoint_types() -> None:
+    """Let torch.load with weights_only=True (torch's default) read what OLMo's trainer writes, and nothing more:
+    the trainer state's paths and numpy RNG state, and FSDP's sharded tensors. Idempotent."""
+    import pathlib
+
+    import numpy as np
+
+    torch.serialization.add_safe_globals(
+        [
+            pathlib.PosixPath,
+            np.core.multiarray._reconstruct,
+            np.ndarray,
+            np.dtype,
+            *{type(np.dtype(name)) for name in sorted(_NUMPY_DTYPES)},  # what check_torch_file accepts
+            *_sharded_tensor_types(),
+            (_checkpoint_getattr, "builtins.getattr"),
+        ]
+    )
+
+
+# ---- pickles outside torch archives: OLMo's safetensors names ------------------------------------------------------
+def unpickle_plain(data: bytes, what: str) -> Any:
+    """A pickle of plain data only (str, numbers, tuples, lists, dicts): no global is allowed at all."""
+    if len(data) > MAX_PICKLE_BYTES:
+        raise UnsafeCheckpoint(f"refusing to load {what}: a pickle of {len(data):,d} bytes")
+    try:
+        return _Unpickler(data, {}).load()
+    except _Refused as why:
+        raise UnsafeCheckpoint(f"refusing to load {what}: {why}; nothing in it was run.") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, RecursionError, MemoryError, KeyError,
+            IndexError, UnicodeDecodeError) as err:
+        raise UnsafeCheckpoint(f"refusing to load {what}: a name that is not a readable pickle "
+                               f"({type(err).__name__}); nothing in it was run.") from None
+
+
+def load_olmo_safetensors(filename, map_location: Optional[str] = None) -> Dict:
+    """OLMo's ``<name>.safetensors`` format without running anything: each tensor's name is a pickled
+    ``((key, ...), value_is_pickled)``, read as plain data; a value stored as a pickle must be plain data too."""
+    import safetensors.torch
+
+    filename = str(filename)
+    try:
+        flat = safetensors.torch.load_file(filename, device=map_location or "cpu")
+    except Exception as err:  # safetensors' own errors (a bad header, a short file) are not one class
+        raise UnsafeCheckpoint(f"refusing to load {filename}: not a readable safetensors file ({str(err)[:120]})") \
+            from None
+    result: Dict = {}
+    for encoded, value in flat.items():
+        try:
+            raw = base64.urlsafe_b64decode(encoded)
+        except ValueError:
+            raise UnsafeCheckpoint(f"refusing to load {filename}: a tensor name that is not OLMo's encoding") from None
+        key = unpickle_plain(raw, filename)
+        if not (isinstance(key, tuple) and len(key) == 2 and isinstance(key[0], tuple) and key[0]
+                and all(isinstance(k, (str, int)) for k in key[0]) and isinstance(key[1], bool)):
+            raise UnsafeCheckpoint(f"refusing to load {filename}: a tensor name that is not OLMo's encoding")
+        keys, pickled = key
+        if pickled:
+            value = unpickle_plain(value.numpy().tobytes(), filename)
+        target = result
+        for k in keys[:-1]:
+            target = target.setdefault(k, {})
+            if not isinstance(target, dict):
+                raise UnsafeCheckpoint(f"refusing to load {filename}: tensor names that overlap")
+        target[keys[-1]] = value
+    return result
+
+
+@contextlib.contextmanager
+def checked_loads():
+    """While OLMo restores or unshards a checkpoint: its ``torch.load`` calls go through ``load`` and its safetensors
+    reads through ``load_olmo_safetensors``."""
+    import olmo.checkpoint as olmo_checkpoint
+
+    saved = torch.load, olmo_checkpoint.safetensors_file_to_state_dict
+    torch.load, olmo_checkpoint.safetensors_file_to_state_dict = load, load_olmo_safetensors
+    try:
+        yield
+    finally:
+        torch.load, olmo_checkpoint.safetensors_file_to_state_dict = saved
