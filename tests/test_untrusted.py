@@ -11,6 +11,7 @@ import pickle
 import shutil
 import subprocess
 import sys
+import warnings
 import zipfile
 from pathlib import Path
 
@@ -223,8 +224,9 @@ def test_storage_and_view_bounds(tmp_path):
     # two members of one name, a member outside the archive's folder
     dup = tmp_path / "dup.pt"
     shutil.copy(good, dup)
-    with zipfile.ZipFile(dup, "a") as zf, pytest.warns(UserWarning):
-        zf.writestr("archive/data.pkl", b"\x80\x02}q\x00.")
+    with zipfile.ZipFile(dup, "a") as zf, warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # zipfile warns of the duplicate it is asked to write
+        zf.writestr(zf.namelist()[0].split("/")[0] + "/data.pkl", b"\x80\x02}q\x00.")
     with pytest.raises(UnsafeCheckpoint, match="two members of the same name"):
         load(dup)
     not_zip = tmp_path / "plain.pt"
