@@ -6,12 +6,13 @@ continues where it stopped. Logic and plan format: siamesenorm/sweep.py.
 """
 
 import argparse
+import signal
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from siamesenorm.sweep import load_plan, run_plan, status  # noqa: E402
+from siamesenorm.sweep import load_plan, run_plan, status, stop_children, stopping  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -31,7 +32,16 @@ def main(argv=None) -> int:
         for cell in plan.cells:
             print(f"{cell.name:60s} {status(plan, cell) or 'to run'}")
         return 0
+    def stop(signum, frame):
+        print(f"sweep: {signal.Signals(signum).name}: stopping the running cells (they resume on the next run)",
+              file=sys.stderr, flush=True)
+        stop_children(signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     outcomes = run_plan(plan, args.parallel, args.only, args.keep_checkpoints)
+    if stopping():
+        return 143
     failed = [name for name, outcome in outcomes.items() if outcome.startswith("error")]
     return 1 if failed else 0
 

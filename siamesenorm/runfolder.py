@@ -12,16 +12,29 @@ The decision (``plan_run``), made before anything is written:
 * a finished run without a checkpoint: refused (rerunning it would silently replace its results).
 * otherwise a fresh run.
 
+* a finished run whose latest checkpoint is at its last step, rerun with the same max_duration: nothing to do
+  (``done``); a larger max_duration continues it.
+
 Resuming compares the checkpoint's model with the run's (``check_resume_model``) and truncates metrics.jsonl to
 the restored step, so no step appears twice.
+
+One run per folder: ``hold_run_folder`` takes an exclusive lock (``.run.lock``, flock, released by the kernel when
+the process ends however it ends) before anything in the folder is read or changed, and writes its owner (host,
+pid, start time) into it; a second process gets one line naming the owner. A lock file with an owner but no lock
+held is a run that died: it is taken over and said so.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
+import os
 import shutil
+import socket
+import time
 from pathlib import Path
 from typing import Any, Optional
 
@@ -35,7 +48,7 @@ from .runconfig import RunError, SiameseTrainConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["plan_run", "clear_run_folder", "settle_run_folder", "resolve_run_model_type", "check_resume_model",
+__all__ = ["hold_run_folder", "LOCK_NAME", "plan_run", "clear_run_folder", "settle_run_folder", "resolve_run_model_type", "check_resume_model",
            "truncate_metrics", "RUN_ARTEFACTS"]
 
 #: What a training run writes into its save folder; only these are deleted when a run starts over.
@@ -43,12 +56,48 @@ RUN_ARTEFACTS = ("config.yaml", RECORD_NAME, "metrics.jsonl", "console.log", "tr
                  "step*", "latest*")
 
 
+LOCK_NAME = ".run.lock"
+
+
+@contextlib.contextmanager
+def hold_run_folder(folder: str | Path):
+    """Hold ``folder`` for this process (module docstring); RunError naming the owner if another process holds it."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = _lock_owner(fd)
+            raise RunError(f"{folder} is in use by another run ({owner}): wait for it to end or stop it, or use "
+                           "another save_folder.") from None
+        stale = _lock_owner(fd, default="")
+        if stale:
+            log.info("%s: taking over the lock of a run that ended without releasing it (%s)", folder, stale)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
+                                  "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
+        yield
+        os.ftruncate(fd, 0)  # a clean end leaves no owner behind
+    finally:
+        os.close(fd)  # releases the lock
+
+
+def _lock_owner(fd: int, default: str = "owner unknown") -> str:
+    try:
+        owner = json.loads(os.pread(fd, 4096, 0) or b"null")
+        return f"host {owner['host']}, pid {owner['pid']}, since {owner['started']}"
+    except (ValueError, TypeError, KeyError, OSError):
+        return default
+
+
 def _is_local(path: Optional[str]) -> bool:
     return path is not None and "://" not in str(path)
 
 
 def plan_run(cfg: SiameseTrainConfig) -> tuple[Optional[str], str]:
-    """(checkpoint to load or None, what happens: "load", "resume", "overwrite", "restart" or "fresh")."""
+    """(checkpoint to load or None, what happens: "load", "resume", "done", "overwrite", "restart" or "fresh")."""
     folder = Path(cfg.save_folder)
     if cfg.load_path is not None:
         inside = _is_local(cfg.load_path) and Path(cfg.load_path).resolve().parent == folder.resolve()
@@ -63,6 +112,12 @@ def plan_run(cfg: SiameseTrainConfig) -> tuple[Optional[str], str]:
         latest = find_latest_checkpoint(cfg.remote_save_folder)
     if latest is not None:
         if cfg.try_load_latest_save:
+            record = _read_json(folder / RECORD_NAME)
+            if (record.get("status") == "finished" and record.get("step") is not None
+                    and record.get("step") >= record.get("max_steps", float("inf"))
+                    and record.get("max_duration") == str(cfg.max_duration)
+                    and Path(str(latest)).name.startswith(f"step{record['step']}")):
+                return str(latest), "done"
             return str(latest), "resume"
         raise RunError(f"{folder} holds the checkpoint {Path(str(latest)).name} of an earlier run: pass "
                        "--try_load_latest_save to resume it, or --save_overwrite to start over (deletes it).")

@@ -33,8 +33,10 @@ import json
 import logging
 import os
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -110,9 +112,10 @@ def load_plan(path: str | Path) -> Plan:
 
 def status(plan: Plan, cell: Cell) -> Optional[str]:
     path = Path(plan.results) / cell.name / RECORD_NAME
-    if not path.is_file():
+    try:
+        return json.loads(path.read_text()).get("status")
+    except (OSError, ValueError, AttributeError):  # absent, or cut by a kill while it was copied: run the cell
         return None
-    return json.loads(path.read_text()).get("status")
 
 
 def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
@@ -124,7 +127,7 @@ def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
     env = {**os.environ, "MODEL_TYPE": cell.model_type, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "console.log", "a") as console:
-        code = subprocess.call(cmd, env=env, stdout=console, stderr=subprocess.STDOUT)
+        code = _run_child(cmd, env, console)
     record_path = run_dir / RECORD_NAME
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     if code not in (0, EXIT_DIVERGED) or record.get("status") not in FINAL:
@@ -147,6 +150,48 @@ def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
         for path in list(run_dir.glob("step*")) + list(run_dir.glob("latest*")):
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
     return record["status"]
+
+
+_children: set = set()
+_children_lock = threading.Lock()
+_stopping = threading.Event()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the sweep dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG), so
+    no training process outlives its sweep."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:  # not Linux: stop_children on SIGTERM / SIGINT still covers the sweep's own exits
+        pass
+
+
+def _run_child(cmd: List[str], env: Dict[str, str], console) -> int:
+    if _stopping.is_set():
+        raise RuntimeError("the sweep is stopping")
+    proc = subprocess.Popen(cmd, env=env, stdout=console, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    with _children_lock:
+        _children.add(proc)
+    try:
+        return proc.wait()
+    finally:
+        with _children_lock:
+            _children.discard(proc)
+
+
+def stopping() -> bool:
+    return _stopping.is_set()
+
+
+def stop_children(signum: int = signal.SIGTERM) -> None:
+    """Pass ``signum`` to every training process of this sweep and start no new one (a run records "stopped" and
+    resumes on the next sweep)."""
+    _stopping.set()
+    with _children_lock:
+        for proc in list(_children):
+            proc.send_signal(signum)
 
 
 def analyse(run_dir: Path, max_sequences: int, tokens: Optional[str] = None) -> Dict:
@@ -181,6 +226,8 @@ def run_plan(plan: Plan, parallel: int = 2, only: Optional[List[str]] = None, ke
     started = time.time()
 
     def one(cell: Cell) -> None:
+        if _stopping.is_set():
+            return
         t0 = time.time()
         try:
             outcomes[cell.name] = run_cell(plan, cell, keep_checkpoints)

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -43,7 +44,7 @@ from .runconfig import (
     unigram_loss,
     validate_run,
 )
-from .runfolder import check_resume_model, plan_run, resolve_run_model_type, settle_run_folder, truncate_metrics
+from .runfolder import check_resume_model, hold_run_folder, plan_run, resolve_run_model_type, settle_run_folder, truncate_metrics
 from .trainer import (
     SiameseTrainer,
     build_optimizer_with_coefficients,
@@ -103,7 +104,10 @@ def dry_run(cfg: SiameseTrainConfig, model_type: str, action: str, load_path: Op
     n = num_params_from_config(cfg.model, model_type)
     n_emb = (cfg.model.embedding_size or cfg.model.vocab_size) * cfg.model.d_model
     print(f"MODEL_TYPE={model_type}  parameters: {n:,d} ({n - n_emb:,d} without the input embedding)")
-    print(f"a real start would: {action}" + (f" from {load_path}" if load_path else ""))
+    if action == "done":
+        print(f"a real start would: nothing, the run already finished ({load_path} is at its last step)")
+    else:
+        print(f"a real start would: {action}" + (f" from {load_path}" if load_path else ""))
 
 
 # ---- the run ------------------------------------------------------------------------------------------------------
@@ -111,19 +115,28 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
     cfg = load_config(config_path, overrides)
     if not any(o.startswith(("--run_name=", "--run_name")) for o in overrides or []):
         cfg.run_name = Path(cfg.save_folder).name  # one name per run folder, not the recipe's for every run
-    model_type, source, load_path, action = prepare(cfg)
     if dry or cfg.dry_run:  # the config, the parameters and the plan first, then the data as a real start checks it
+        model_type, source, load_path, action = prepare(cfg)
         dry_run(cfg, model_type, action, load_path)
         check_data(cfg)
         return 0
-    check_data(cfg)
-    launched = {k: os.environ.get(k) for k in _GROUP_ENV}
-    try:
-        return train(cfg, config_path, model_type, source, load_path, action)
-    finally:
-        detach_run_logs()
-        if launched["RANK"] is None:  # not under torchrun: undo the group of one made here, so that a later run
-            _end_own_group(launched)   # in this process (or a child it launches) starts clean
+    validate_run(cfg)  # a bad value is refused before the folder is even locked
+    lead = os.environ.get("RANK", "0") == "0"  # the folder's lock is rank 0's; the other ranks follow it
+    with hold_run_folder(cfg.save_folder) if lead else contextlib.nullcontext():
+        model_type, source, load_path, action = prepare(cfg)
+        if action == "done":
+            log.info("%s already finished: its checkpoint %s is at the last step of max_duration=%s; nothing to do "
+                     "(pass a larger --max_duration to continue it, or --save_overwrite to train it again)",
+                     cfg.save_folder, Path(load_path).name, cfg.max_duration)
+            return 0
+        check_data(cfg)
+        launched = {k: os.environ.get(k) for k in _GROUP_ENV}
+        try:
+            return train(cfg, config_path, model_type, source, load_path, action)
+        finally:
+            detach_run_logs()
+            if launched["RANK"] is None:  # not under torchrun: undo the group of one made here, so that a later
+                _end_own_group(launched)   # run in this process (or a child it launches) starts clean
 
 
 _GROUP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -283,6 +296,10 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
             if dropped:
                 log.info("metrics: dropped %d rows logged after step %d by the interrupted attempt",
                          dropped, trainer.global_step)
+    if action == "resume" and trainer.global_step >= trainer.max_steps:  # e.g. the record was lost: the checkpoint says
+        log.info("%s is already at step %d of %d: nothing to train (pass a larger --max_duration to continue it)",
+                 load_path, trainer.global_step, trainer.max_steps)
+        return 0
     if cfg.force_save_unsharded and str(cfg.distributed_strategy) != "ddp":
         path, _ = trainer.save_checkpoint(checkpoint_type=CheckpointType.unsharded)
         log.info("unsharded checkpoint saved to %s", path)
