@@ -7,6 +7,7 @@ diverged run from a crash without this.
 """
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from siamesenorm.records import EXIT_DIVERGED, RECORD_NAME  # noqa: E402
+from siamesenorm.train import QUIET_DIVERGENCE  # noqa: E402
 
 
 USAGE = "usage: python scripts/launch.py [torchrun options] CONFIG.yaml [--key=value ...]"
@@ -45,16 +47,15 @@ def main(argv) -> int:
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, str(ROOT / "scripts" / "train.py"), config,
            *overrides]
     started = time.time()
-    code = subprocess.call(cmd)
-    if code == 0:
-        return 0
+    code = subprocess.call(cmd, env={**os.environ, QUIET_DIVERGENCE: "1"})
     from siamesenorm.runconfig import load_config
 
     options = [o for o in overrides if o.startswith("--") and o != "--dry-run"]
     record = Path(load_config(config, options).save_folder) / RECORD_NAME
     outcome = json.loads(record.read_text()) if record.is_file() else {}
     if outcome.get("status") == "diverged" and outcome.get("updated", 0) >= started:  # this launch's record
-        print(f"launch: the run diverged (see {record}); exit status {EXIT_DIVERGED}", file=sys.stderr)
+        print(f"launch: the run diverged at step {outcome.get('diverged_at_step')}: {outcome.get('divergence')} "
+              f"(record: {record}); exit status {EXIT_DIVERGED}", file=sys.stderr)
         return EXIT_DIVERGED
     return code
 

@@ -45,6 +45,10 @@ def main(argv=None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if args.output and Path(args.output).exists() and not Path(args.output).is_dir():
+        print(f"error: --output {args.output} is a file; name a folder (table1.<md|csv|tex> are written into it)",
+              file=sys.stderr)
+        return 2
     chosen = formats() if args.format == "all" else (args.format,)
     for fmt in chosen:
         text = render(table, fmt)

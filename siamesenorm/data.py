@@ -25,6 +25,7 @@ import logging
 import multiprocessing as mp
 import os
 import struct
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator, Optional
@@ -107,10 +108,20 @@ def _read_text(path: Path) -> str:
         ) from None
 
 
+def _whole_lines(f, path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of a text or gzip file; a cut or non-gzip .gz file is one DataPreparationError (the units
+    already written stay: each is renamed into place only when whole)."""
+    try:
+        yield from enumerate(f, 1)
+    except (EOFError, gzip.BadGzipFile, zlib.error) as err:
+        raise DataPreparationError(f"{path}: not a whole gzip file ({err}); download or compress it again, or pass "
+                                   "the uncompressed .jsonl.") from None
+
+
 def _iter_jsonl(path: Path, text_field: str, skips: Skips) -> Iterator[str]:
     opener = gzip.open if path.name.endswith(".gz") else open
     with opener(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
+        for lineno, raw in _whole_lines(f, path):
             if not raw.strip():
                 continue
             try:
@@ -316,19 +327,21 @@ def prepare(settings: PrepareSettings, output: str | Path, num_workers: int = 1,
         from tqdm import tqdm
 
         bar = tqdm(desc="tokenizing", unit="unit")
-    if num_workers <= 1:
-        _init_worker(settings.tokenizer)
-        for record in map(_tokenize_unit, jobs()):
-            if bar is not None:
-                bar.update(1)
-    else:
-        ctx = mp.get_context("spawn")
-        with ctx.Pool(num_workers, initializer=_init_worker, initargs=(settings.tokenizer,)) as pool:
-            for record in pool.imap(_tokenize_unit, jobs()):
+    try:
+        if num_workers <= 1:
+            _init_worker(settings.tokenizer)
+            for record in map(_tokenize_unit, jobs()):
                 if bar is not None:
                     bar.update(1)
-    if bar is not None:
-        bar.close()
+        else:
+            ctx = mp.get_context("spawn")
+            with ctx.Pool(num_workers, initializer=_init_worker, initargs=(settings.tokenizer,)) as pool:
+                for record in pool.imap(_tokenize_unit, jobs()):
+                    if bar is not None:
+                        bar.update(1)
+    finally:  # also on an error, so that its message starts a line of its own
+        if bar is not None:
+            bar.close()
     if changed:
         log.warning("re-tokenized %d work units whose input documents changed since the last run: %s",
                     len(changed), changed[:20])

@@ -37,6 +37,8 @@ class SiameseTrainConfig(TrainConfig):
     """The divergence guard and the loss-spike rule (siamesenorm/records.py)."""
     verify_data_sha256: bool = False
     """Before step 1, also check every token file's sha256 against its manifest (slow on large corpora)."""
+    resume_on_new_data: bool = False
+    """Resume even though the token files differ from the ones the run started with (data-fingerprint.json)."""
 
 
 class RunError(OLMoConfigurationError):
@@ -52,8 +54,15 @@ def _one_line(err: Exception) -> str:
 
 def load_config(path: str, overrides: Optional[List[str]] = None) -> SiameseTrainConfig:
     """Load a YAML recipe with ``--key=value`` overrides, as OLMo's CLI accepts them."""
-    if not Path(path).is_file():
+    if not Path(path).exists() or Path(path).is_dir():
         raise RunError(f"config file {path} not found; pick one from configs/ (docs/training.md lists them).")
+    if not Path(path).is_file():  # a pipe (process substitution, /dev/stdin): read once into a file OLMo can load
+        import tempfile
+
+        text = Path(path).read_text()
+        with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
+            f.write(text)
+        path = f.name
     overrides = list(overrides or [])
     for i, option in enumerate(overrides):
         if option.startswith("--"):
@@ -66,6 +75,12 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> SiameseTrai
         return SiameseTrainConfig.load(path, [clean_opt(o) for o in overrides], validate_paths=False)
     except OLMoConfigurationError as err:
         raise RunError(f"{path}: {_one_line(err)}") from None
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError) as err:
+        if type(err).__module__.startswith("yaml"):
+            raise
+        given = " ".join(o for o in overrides if "." in o.split("=", 1)[0]) or "the overrides"
+        raise RunError(f"{path}: cannot apply {given}: {_one_line(err)}; override a list as a whole "
+                       "(--evaluators='[...]'), not one of its items.") from None
     except Exception as err:  # a YAML syntax error names its line and column
         if type(err).__module__.startswith("yaml"):
             mark = getattr(err, "problem_mark", None)
@@ -126,6 +141,15 @@ def _manifest_for(path: Path) -> Optional[tuple[dict, str]]:
     return None
 
 
+def manifest_entry(path: Path) -> Optional[dict]:
+    """A token file's entry in the manifest of the prepared folder it lies in, or None."""
+    try:
+        found = _manifest_for(path)
+    except (OSError, ValueError):
+        return None
+    return None if found is None else found[0].get("files", {}).get(found[1])
+
+
 def check_token_files(paths: List[str], memmap_dtype: str, vocab_size: int, verify_sha256: bool = False) -> None:
     """Every token file against what it must be before step 1: its dtype and size as its manifest records them
     (a truncated file or one read with the wrong dtype is refused), every token id < the model's vocab_size, and
@@ -153,6 +177,8 @@ def check_token_files(paths: List[str], memmap_dtype: str, vocab_size: int, veri
                                "changed; rerun scripts/prepare_data.py.")
             if verify_sha256 and hashlib.sha256(path.read_bytes()).hexdigest() != meta["sha256"]:
                 raise RunError(f"{path}: sha256 differs from its manifest; rerun scripts/prepare_data.py.")
+        elif size == 0:
+            raise RunError(f"{path} is empty: it holds no tokens; remove it from the data paths or re-prepare it.")
         elif size % itemsize:
             raise RunError(f"{path} has {size:,d} bytes, not a whole number of {memmap_dtype} tokens: check "
                            "data.memmap_dtype or the file.")
@@ -185,8 +211,23 @@ def _check(condition: bool, message: str) -> None:
         raise RunError(message)
 
 
+def _numbers(value, where: str = ""):
+    """(dotted key, value) for every number in a config tree."""
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _numbers(item, f"{where}.{key}" if where else str(key))
+    elif isinstance(value, (list, tuple)):
+        for i, item in enumerate(value):
+            yield from _numbers(item, f"{where}.{i}")
+    elif isinstance(value, float):
+        yield where, value
+
+
 def validate_run(cfg: SiameseTrainConfig) -> None:
     """The values a run cannot start with, each as one line. Model-type specifics: config.validate_model_config."""
+    for key, value in _numbers(cfg.asdict()):
+        _check(math.isfinite(value), f"{key} is {value}: every number in the config must be finite; give it a real "
+                                     "value (or null where the field allows it).")
     m = cfg.model
     _check(m.d_model > 0 and m.n_heads > 0 and m.d_model % m.n_heads == 0,
            f"model.d_model ({m.d_model}) must be a positive multiple of model.n_heads ({m.n_heads}).")
@@ -197,6 +238,17 @@ def validate_run(cfg: SiameseTrainConfig) -> None:
     _check(isinstance(lr, (int, float)) and math.isfinite(lr) and lr > 0,
            f"optimizer.learning_rate must be a positive number (got {lr}).")
     _check(cfg.optimizer.weight_decay >= 0, f"optimizer.weight_decay must be >= 0 (got {cfg.optimizer.weight_decay}).")
+    _check(cfg.optimizer.eps > 0, f"optimizer.eps must be > 0 (got {cfg.optimizer.eps}).")
+    betas = tuple(cfg.optimizer.betas)
+    _check(len(betas) == 2 and all(0 <= b < 1 for b in betas),
+           f"optimizer.betas must be two numbers in [0, 1) (got {list(betas)}).")
+    sch = cfg.scheduler
+    _check(sch.t_warmup >= 0, f"scheduler.t_warmup must be >= 0 (got {sch.t_warmup}).")
+    _check(sch.alpha_f is None or 0 <= sch.alpha_f <= 1, f"scheduler.alpha_f must be in [0, 1] (got {sch.alpha_f}).")
+    _check(sch.t_max is None or sch.t_max > 0, f"scheduler.t_max must be > 0 (got {sch.t_max}).")
+    _check(cfg.max_grad_norm is None or cfg.max_grad_norm > 0,
+           f"max_grad_norm must be > 0, or null for no clipping (got {cfg.max_grad_norm}).")
+    _check(m.init_std > 0, f"model.init_std must be > 0 (got {m.init_std}).")
     problem = stability_problem(cfg.stability)
     _check(problem is None, problem or "")
     _check(cfg.global_train_batch_size >= 1 and cfg.device_train_microbatch_size >= 1,

@@ -52,7 +52,8 @@ __all__ = ["hold_run_folder", "LOCK_NAME", "plan_run", "clear_run_folder", "sett
            "truncate_metrics", "RUN_ARTEFACTS"]
 
 #: What a training run writes into its save folder; only these are deleted when a run starts over.
-RUN_ARTEFACTS = ("config.yaml", RECORD_NAME, "metrics.jsonl", "console.log", "train_data", "data-indices", "wandb",
+FINGERPRINT_NAME = "data-fingerprint.json"
+RUN_ARTEFACTS = ("config.yaml", RECORD_NAME, FINGERPRINT_NAME, "metrics.jsonl", "console.log", "train_data", "data-indices", "wandb",
                  "step*", "latest*")
 
 
@@ -146,9 +147,10 @@ def clear_run_folder(folder: str | Path) -> list[str]:
 
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        value = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
+    return value if isinstance(value, dict) else {}
 
 
 def checkpoint_model_type(load_path: str) -> Optional[str]:
@@ -225,13 +227,37 @@ def truncate_metrics(path: Path, step: int) -> int:
     once. Returns how many rows were dropped."""
     if not path.is_file():
         return 0
-    rows = path.read_text().splitlines()
-    kept = [row for row in rows if row.strip() and json.loads(row).get("step", 0) <= step]
+    rows = path.read_bytes().decode("utf-8", errors="replace").splitlines()
+    kept = [row for row in rows if (_row_step(row) or step + 1) <= step]
+    unreadable = sum(1 for row in rows if row.strip() and _row_step(row) is None)
+    if unreadable:
+        log.warning("%s: dropped %d unreadable line(s) (cut by a kill, or not JSON)", path, unreadable)
     if len(kept) != len(rows):
         tmp = path.with_name(path.name + ".tmp")
         tmp.write_text("".join(row + "\n" for row in kept))
         tmp.replace(path)
     return len(rows) - len(kept)
+
+
+def _row_step(row: str) -> Optional[int]:
+    """The step of a metrics.jsonl row; None for a line that is not a JSON object (cut, or garbage)."""
+    try:
+        value = json.loads(row)
+    except ValueError:
+        return None
+    return int(value.get("step", 0)) if isinstance(value, dict) else None
+
+
+def read_record(folder: Path) -> dict:
+    """The run record of ``folder``; {} with one warning when it is cut or corrupt (the checkpoint is what resumes)."""
+    path = folder / RECORD_NAME
+    if not path.is_file():
+        return {}
+    record = _read_json(path)
+    if not record:
+        log.warning("%s is unreadable (cut or corrupt): it is written again from this attempt; the loss spikes "
+                    "it listed before are not carried over", path)
+    return record
 
 
 def settle_run_folder(cfg: SiameseTrainConfig, action: str, load_path: Optional[str]) -> Path:
@@ -247,6 +273,66 @@ def settle_run_folder(cfg: SiameseTrainConfig, action: str, load_path: Optional[
         log.info("resuming %s from %s", folder, load_path)
     folder.mkdir(parents=True, exist_ok=True)
     console_log = attach_run_log(folder)
+    if action != "resume" or not (folder / FINGERPRINT_NAME).is_file():
+        (folder / FINGERPRINT_NAME).write_text(json.dumps(data_fingerprint(cfg), indent=1) + "\n")
     if action != "resume":
         cfg.save(folder / "config.yaml")
     return console_log
+
+
+def data_fingerprint(cfg: SiameseTrainConfig) -> list:
+    """What identifies the training token files: each one's path, size and sha256 (its manifest's when it has one,
+    else of its first and last MiB: cheap on any corpus, and any re-preparation changes it)."""
+    import hashlib
+
+    from .runconfig import manifest_entry
+
+    out = []
+    for name in [str(p) for p in cfg.data.paths or []]:
+        if "://" in name:
+            out.append({"path": name})
+            continue
+        path = Path(name)
+        size = path.stat().st_size
+        meta = manifest_entry(path)
+        if meta is not None and meta.get("sha256"):
+            digest = meta["sha256"]
+        else:
+            with open(path, "rb") as f:
+                head = f.read(2**20)
+                f.seek(max(0, size - 2**20))
+                digest = "ends:" + hashlib.sha256(head + f.read(2**20)).hexdigest()
+        out.append({"path": name, "bytes": size, "sha256": digest})
+    return out
+
+
+def check_same_data(cfg: SiameseTrainConfig) -> None:
+    """On resume: the token files must be the ones the run started with (its data-fingerprint.json), unless
+    ``resume_on_new_data``."""
+    saved = Path(cfg.save_folder) / FINGERPRINT_NAME
+    if not saved.is_file():
+        return
+    before = {row.get("path"): row for row in (_read_json_list(saved))}
+    now = {row["path"]: row for row in data_fingerprint(cfg)}
+    if before == now:
+        return
+    changed = [p for p in sorted(set(before) | set(now)) if before.get(p) != now.get(p)]
+    what = changed[0]
+    old, new = before.get(what), now.get(what)
+    detail = ("not in the run's data before" if old is None else "no longer in the run's data" if new is None
+              else f"{old.get('bytes', 0):,d} bytes then, {new.get('bytes', 0):,d} now" if old.get("bytes") != new.get("bytes")
+              else "same size, other content")
+    if cfg.resume_on_new_data:
+        log.warning("resuming on other token files than the run started with (%s: %s; resume_on_new_data)", what, detail)
+        saved.write_text(json.dumps(data_fingerprint(cfg), indent=1) + "\n")
+        return
+    raise RunError(f"the token files differ from the ones this run started with ({len(changed)} file(s); {what}: "
+                   f"{detail}): restore them, or pass --resume_on_new_data to continue on the new data.")
+
+
+def _read_json_list(path: Path) -> list:
+    try:
+        value = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [row for row in value if isinstance(row, dict)] if isinstance(value, list) else []

@@ -44,8 +44,9 @@ from .runconfig import (
     unigram_loss,
     validate_run,
 )
-from .runfolder import check_resume_model, hold_run_folder, plan_run, resolve_run_model_type, settle_run_folder, truncate_metrics
+from .runfolder import check_resume_model, check_same_data, hold_run_folder, plan_run, read_record, resolve_run_model_type, settle_run_folder, truncate_metrics
 from .trainer import (
+    NoSpace,
     SiameseTrainer,
     build_optimizer_with_coefficients,
     compile_blocks,
@@ -88,9 +89,12 @@ def prepare(cfg: SiameseTrainConfig) -> tuple[str, str, Optional[str], str]:
     return model_type, source, load_path, action
 
 
-def check_data(cfg: SiameseTrainConfig) -> None:
-    """The data paths exist and are files, and every token file matches its manifest and the vocabulary."""
+def check_data(cfg: SiameseTrainConfig, action: str = "fresh") -> None:
+    """The data paths exist and are files, every token file matches its manifest and the vocabulary, and a resumed
+    run trains on the files it started with."""
     check_data_paths(cfg)
+    if action == "resume":
+        check_same_data(cfg)
     for _, data in [("data", cfg.data)] + [(ev.label, ev.data) for ev in cfg.evaluators if str(ev.type) == "lm"]:
         paths = list(data.paths or []) + [p for group in (data.datasets or {}).values() for p in group]
         check_token_files([str(p) for p in paths], str(data.memmap_dtype), cfg.model.vocab_size,
@@ -118,7 +122,7 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
     if dry or cfg.dry_run:  # the config, the parameters and the plan first, then the data as a real start checks it
         model_type, source, load_path, action = prepare(cfg)
         dry_run(cfg, model_type, action, load_path)
-        check_data(cfg)
+        check_data(cfg, action)
         return 0
     validate_run(cfg)  # a bad value is refused before the folder is even locked
     lead = os.environ.get("RANK", "0") == "0"  # the folder's lock is rank 0's; the other ranks follow it
@@ -129,7 +133,7 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
                      "(pass a larger --max_duration to continue it, or --save_overwrite to train it again)",
                      cfg.save_folder, Path(load_path).name, cfg.max_duration)
             return 0
-        check_data(cfg)
+        check_data(cfg, action)
         launched = {k: os.environ.get(k) for k in _GROUP_ENV}
         try:
             return train(cfg, config_path, model_type, source, load_path, action)
@@ -139,6 +143,7 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
                 _end_own_group(launched)   # run in this process (or a child it launches) starts clean
 
 
+QUIET_DIVERGENCE = "SIAMESENORM_DIVERGED_EXIT_0"
 _GROUP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -266,7 +271,7 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
     from olmo.torch_util import get_global_rank
 
     folder = Path(cfg.save_folder)
-    previous = json.loads((folder / RECORD_NAME).read_text()) if (folder / RECORD_NAME).is_file() else {}
+    previous = read_record(folder)
     if load_path is None and not cfg.no_pre_train_checkpoint:
         # OLMo's train script: save a checkpoint before training and load it back, so a full disk or a broken
         # checkpointer fails now rather than hours in.
@@ -327,7 +332,15 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
                             divergence_kind=diverged.kind)
         if get_global_rank() == 0:
             log.warning("diverged at step %d: %s; record: %s", diverged.step, diverged.reason, record_path)
-        return EXIT_DIVERGED
+        # under scripts/launch.py the workers end normally and launch.py turns the record into the exit status,
+        # so torchrun does not print a worker-failure report for an outcome that is a result
+        return 0 if os.environ.get(QUIET_DIVERGENCE) == "1" else EXIT_DIVERGED
+    except NoSpace as err:
+        try:
+            trainer.save_record("stopped", error=str(err)[:500])
+        except OSError:  # the record cannot be written either; the message below still says what happened
+            pass
+        raise RunError(str(err)) from None
     except BaseException as err:  # an error, an interrupt or a signal: the record says the run ended early
         trainer.save_record("stopped", error=f"{type(err).__name__}: {err}"[:500])
         raise

@@ -7,11 +7,13 @@ with the pinned wandb.
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import math
 import os
 import random
+import shutil
 import socket
 import time
 from datetime import timedelta
@@ -30,8 +32,19 @@ from .runconfig import RunError, SiameseTrainConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SiameseTrainer", "init_distributed", "cpu_adjustments", "wrap_model", "optimizer_param_groups",
+__all__ = ["SiameseTrainer", "NoSpace", "init_distributed", "cpu_adjustments", "wrap_model", "optimizer_param_groups",
            "build_optimizer_with_coefficients", "compile_blocks"]
+
+
+class NoSpace(RunError):
+    """A checkpoint could not be written: the disk (or a quota, or a file-size limit) is full."""
+
+
+def _is_no_space(err: BaseException) -> bool:
+    if isinstance(err, OSError):
+        return err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
+    text = str(err)  # torch's zip writer reports a failed write as a RuntimeError
+    return any(s in text for s in ("file write failed", "failed writing", "No space left", "unexpected pos"))
 
 
 class SiameseTrainer(Trainer):
@@ -42,6 +55,21 @@ class SiameseTrainer(Trainer):
     last_eval_step: Optional[int] = None
     monitor: Optional[StabilityMonitor] = None
     record_info: Optional[Dict[str, Any]] = None  # the run's fixed facts; None: no run record (unit tests)
+
+    # ---- checkpoints ---------------------------------------------------------------------------------------------
+    def save_checkpoint(self, checkpoint_type=None):
+        """OLMo's save; a full disk (or a file-size limit) becomes NoSpace, with the half-written folder removed so
+        the last good checkpoint is what a rerun resumes."""
+        try:
+            return super().save_checkpoint(*(() if checkpoint_type is None else (checkpoint_type,)))
+        except (OSError, RuntimeError) as err:
+            if not _is_no_space(err):
+                raise
+            for partial in Path(self.cfg.save_folder).glob("step*-tmp"):
+                shutil.rmtree(partial, ignore_errors=True)
+            raise NoSpace(f"no space left while saving the checkpoint of step {self.global_step} in "
+                          f"{self.cfg.save_folder} ({str(err).splitlines()[0][:120]}); the last good checkpoint "
+                          "stays: free space and rerun the same command to resume from it") from None
 
     # ---- stability ----------------------------------------------------------------------------------------------
     def train_step(self, batch: Dict[str, Any], reduce_global_loss: bool = True) -> Dict[str, float]:

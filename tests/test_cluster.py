@@ -233,6 +233,20 @@ def test_truncated_or_misread_token_files_are_refused_against_the_manifest(tmp_p
     (["--no_such_field=1"], "Key 'no_such_field' not in 'SiameseTrainConfig'"),
     (["--compile.fullgraph=true", "--distributed_strategy=fsdp", "--fsdp.use_orig_params=false"],
      "compile: with FSDP needs fsdp.use_orig_params: true"),
+    # issue 20: each accepted, or a traceback, before
+    (["--evaluators.0.data.datasets.x=[a]"], "cannot apply --evaluators.0.data.datasets.x=[a]"),
+    (["--scheduler.t_warmup=-5"], "scheduler.t_warmup must be >= 0 (got -5)"),
+    (["--scheduler.alpha_f=nan"], "scheduler.alpha_f is nan: every number in the config must be finite"),
+    (["--scheduler.alpha_f=1.5"], "scheduler.alpha_f must be in [0, 1] (got 1.5)"),
+    (["--max_grad_norm=nan"], "max_grad_norm is nan"),
+    (["--max_grad_norm=-1"], "max_grad_norm must be > 0, or null"),
+    (["--model.init_std=inf"], "model.init_std is inf"),
+    (["--optimizer.eps=nan"], "optimizer.eps is nan"),
+    (["--optimizer.eps=0"], "optimizer.eps must be > 0"),
+    (["--optimizer.betas=[nan,0.95]"], "optimizer.betas.0 is nan"),
+    (["--optimizer.betas=[0.9,1.5]"], "optimizer.betas must be two numbers in [0, 1)"),
+    (["--stability.max_loss=nan"], "stability.max_loss is nan"),
+    (["--optimizer.learning_rate=null"], "Incompatible value 'None' for field of type 'float' (at optimizer.learning_rate)"),
 ])
 def test_bad_values_are_one_line_from_dry_run(tmp_path, data, overrides, expected):
     from siamesenorm.runconfig import RunError

@@ -131,3 +131,117 @@ def test_sigterm_to_a_sweep_reaches_its_training_process(tmp_path):
     assert sweep.returncode == 143 and "stopping the running cells" in err
     assert not alive(child) and record(run)["status"] == "stopped"
     assert not (tmp_path / "runs" / "post-lr0.01-s1").exists()  # no new cell started after the signal
+
+
+# ---- a full disk -----------------------------------------------------------------------------------------------------
+def _file_size_limit(limit: int):
+    def apply():  # in the child: a write past ``limit`` bytes fails with EFBIG, as a full disk fails with ENOSPC
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+    return apply
+
+
+def test_a_full_disk_during_a_save_is_one_line_and_the_last_good_checkpoint_resumes(tmp_path, data):  # noqa: F811
+    folder = tmp_path / "run"
+    args = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=8", "--save_interval_unsharded=4",
+            "--try_load_latest_save"]
+    train([f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=4",
+           "--save_interval_unsharded=4"])  # a good checkpoint at step 4
+    proc = subprocess.run([*TRAIN, str(TINY), *SMALL, *args], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300,
+                          preexec_fn=_file_size_limit(150_000))  # model.pt fits, optim.pt does not
+    line = error_line(proc)
+    assert "no space left while saving the checkpoint of step 8" in line and "the last good checkpoint stays" in line
+    stopped = record(folder)
+    assert stopped["status"] == "stopped" and stopped["error"].startswith("no space left")
+    assert sorted(p.name for p in folder.glob("step*")) == ["step4-unsharded"]  # no half-written folder left
+    train(args)  # space again: the same command resumes from step 4 and finishes
+    assert record(folder)["status"] == "finished" and metric_steps(folder) == list(range(1, 9))
+
+
+# ---- token files changed under a run --------------------------------------------------------------------------------
+def test_resume_on_other_token_files_is_refused_unless_asked(tmp_path):
+    data = learnable_tokens(tmp_path / "train.npy", n_tokens=32 * 8 * 30)
+    folder = tmp_path / "run"
+    args = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--save_interval_unsharded=4",
+            "--try_load_latest_save"]
+    train([*args, "--max_duration=4"])
+    learnable_tokens(data, n_tokens=32 * 8 * 10, seed=3)  # re-prepared to a third of its size
+    line = error_line(train([*args, "--max_duration=8"], check=False))
+    assert "the token files differ from the ones this run started with" in line
+    assert f"{data}: 15,360 bytes then, 5,120 now" in line and "--resume_on_new_data" in line
+    assert metric_steps(folder) == [1, 2, 3, 4]
+    dry = train([*args, "--max_duration=8", "--dry-run"], check=False)
+    assert "the token files differ" in error_line(dry)
+    train([*args, "--max_duration=8", "--resume_on_new_data"])
+    assert metric_steps(folder) == list(range(1, 9))
+
+
+# ---- cut or corrupt files in the run folder -------------------------------------------------------------------------
+@pytest.mark.parametrize("damage", ["cut metrics line", "binary metrics", "cut record"])
+def test_a_cut_or_corrupt_metrics_file_or_record_does_not_stop_the_resume(tmp_path, data, damage):  # noqa: F811
+    folder = tmp_path / "run"
+    args = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--save_interval_unsharded=4",
+            "--try_load_latest_save"]
+    train([*args, "--max_duration=6"])
+    assert record(folder)["status"] == "finished"
+    metrics = folder / "metrics.jsonl"
+    if damage == "cut metrics line":
+        metrics.write_bytes(metrics.read_bytes() + b'{"step": 7, "loss": 3.')
+    elif damage == "binary metrics":
+        metrics.write_bytes(metrics.read_bytes() + b"\x89PNG\r\n\x1a\n\x00\xff\xfe garbage\n")
+    else:
+        (folder / "run.json").write_text((folder / "run.json").read_text()[:40])
+    proc = train([*args, "--max_duration=8"])
+    assert "Traceback" not in proc.stderr
+    said = "unreadable (cut or corrupt)" if damage == "cut record" else "unreadable line(s)"
+    assert said in proc.stderr
+    assert metric_steps(folder) == list(range(1, 9)) and record(folder)["status"] == "finished"
+
+
+# ---- bad input at the command line: one line each -------------------------------------------------------------------
+def test_a_nan_typo_never_becomes_a_divergence_in_the_tables(tmp_path, data):  # noqa: F811
+    """A config typo is refused before step 1 (exit 2), so no record says the method diverged."""
+    folder = tmp_path / "run"
+    line = error_line(train([f"--data.paths=[{data}]", f"--save_folder={folder}", "--model.init_std=inf"], check=False))
+    assert "model.init_std is inf" in line
+    assert not (folder / "run.json").exists()
+
+
+def test_config_through_process_substitution_is_read(tmp_path, data):  # noqa: F811
+    proc = subprocess.run(["bash", "-c", f'"{sys.executable}" "{ROOT / "scripts" / "train.py"}" <(cat "{TINY}") '
+                           + " ".join(SMALL) + f" --data.paths=[{data}] --save_folder={tmp_path / 'run'} --dry-run"],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "a real start would: fresh" in proc.stdout
+
+
+def test_an_empty_token_file_is_one_line(tmp_path):
+    empty = tmp_path / "empty.npy"
+    empty.write_bytes(b"")
+    line = error_line(train([f"--data.paths=[{empty}]", f"--save_folder={tmp_path / 'run'}", "--dry-run"],
+                            check=False))
+    assert f"{empty} is empty: it holds no tokens" in line
+
+
+@pytest.mark.parametrize("kind", ["cut", "not gzip"])
+def test_a_cut_or_false_gzip_corpus_is_one_line_and_keeps_what_was_prepared(tmp_path, kind):
+    good = ROOT / "data" / "austen.jsonl.gz"
+    bad = tmp_path / "corpus.jsonl.gz"
+    bad.write_bytes(good.read_bytes()[: good.stat().st_size // 2] if kind == "cut" else b'{"text": "plain"}\n' * 50)
+    out = tmp_path / "prepared"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), str(bad), "--tokenizer",
+                           str(ROOT / "data" / "tokenizer-austen-2k.json"), "--output", str(out)],
+                          cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    line = error_line(proc)
+    assert f"{bad}: not a whole gzip file" in line
+    assert not list(out.rglob("*.npy.tmp*"))  # nothing half-written left
+
+
+def test_make_tables_output_that_is_a_file_is_one_line(tmp_path):
+    results = ROOT / "results" / "study-cpu"
+    target = tmp_path / "table.md"
+    target.write_text("keep me\n")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tables.py"), str(results), "--output",
+                           str(target)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    assert f"--output {target} is a file; name a folder" in error_line(proc)
+    assert target.read_text() == "keep me\n"
