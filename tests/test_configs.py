@@ -63,3 +63,25 @@ def test_paper_learning_rates_and_token_budgets():
             labels = {e.label for e in cfg.evaluators}
             assert {"arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "openbook_qa",
                     "basic_arithmetic"} <= labels
+
+
+V2_DEPTH = sorted((ROOT / "configs" / "v2-depth").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", V2_DEPTH, ids=lambda p: p.stem)
+def test_v2_depth_recipes_hold_about_390m_parameters_at_v2s_shapes(path):
+    """The paper v2's depth sweep: its four (layers, d_model) shapes, 12B tokens, lr 1e-3; about 390M parameters for
+    every MODEL_TYPE (built on the meta device: no weights allocated)."""
+    cfg = load_config(str(path))
+    shape = (cfg.model.n_layers, cfg.model.d_model)
+    assert shape in {(10, 1280), (17, 1024), (33, 768), (80, 512)} and path.stem == f"OLMo-390M-L{shape[0]}"
+    assert cfg.model.d_model // cfg.model.n_heads == 128  # OLMo-1B's head size
+    assert cfg.optimizer.learning_rate == pytest.approx(1e-3) and cfg.max_duration == "12e9T"
+    assert cfg.scheduler.t_warmup == 2000 and cfg.model.model_type is None
+    for model_type in MODEL_TYPES:
+        n = num_params_from_config(cfg.model, model_type)
+        assert 3.8e8 < n < 4.0e8, (model_type, n)
+
+
+def test_v2_depth_sweep_has_its_four_shapes():
+    assert [p.stem for p in V2_DEPTH] == ["OLMo-390M-L10", "OLMo-390M-L17", "OLMo-390M-L33", "OLMo-390M-L80"]
