@@ -2,6 +2,8 @@
 
   python scripts/study_report.py results/study-cpu --output docs/figures/study
   (writes study-*.png, report.json and table.md into --output; docs/results-cpu.md quotes them)
+  python scripts/study_report.py results/study-v2 --v2 --earlier results/study-cpu --output docs/figures/study-v2
+  (the second part, issue 26: v2-*.png and report.json; siamesenorm/study_v2.py)
 """
 
 import argparse
@@ -20,12 +22,23 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True, help="folder for the figures, report.json and table.md")
     parser.add_argument("--format", choices=["png", "pdf", "svg"], default="png", help="figure file format")
     parser.add_argument("--smooth", type=int, default=20, help="moving-average window of the curves, in steps")
+    parser.add_argument("--v2", action="store_true", help="the second part's report (configs/sweeps/study-v2.yaml)")
+    parser.add_argument("--earlier", help="with --v2: the first study's results, for the seed groups it completes")
     args = parser.parse_args(argv)
     if not Path(args.results).is_dir():
         print(f"error: {args.results} is not a folder; run scripts/sweep.py first.", file=sys.stderr)
         return 2
     out = Path(args.output)
     out.mkdir(parents=True, exist_ok=True)
+    if args.v2:
+        from siamesenorm import study_v2
+
+        summary = study_v2.report(args.results, args.earlier)
+        (out / "report.json").write_text(json.dumps(summary, indent=1) + "\n")
+        for path in study_v2.figures(summary, out, args.format):
+            print(f"wrote {path}")
+        print(f"wrote {out / 'report.json'} ({summary['cells']} cells)")
+        return 0
     summary = report(args.results)
     (out / "report.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=1) + "\n")
     (out / "table.md").write_text(summary["table"])

@@ -51,3 +51,38 @@ def test_sweep_runs_two_cells_then_skips_them(tmp_path):
     assert summary["analyses"]["hybrid_pre-lr0.01-s1"]["fusion_weights"] is not None
     assert (tmp_path / "report" / "study-loss.png").stat().st_size > 0
     assert (tmp_path / "report" / "study-magnitudes.png").stat().st_size > 0
+
+
+def test_v2_plan_groups_knobs_settings_and_checkpoints_over_time(tmp_path):
+    """The second sweep's plan features on tiny cells: model shapes as knobs, a schedule setting, a cell analysed at
+    several checkpoints; then the v2 report reads depth, warmup, over-time and massive-activation numbers."""
+    from siamesenorm import study_v2
+
+    data = learnable_tokens(tmp_path / "train.npy")
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(json.dumps({
+        "recipe": str(TINY), "runs": str(tmp_path / "runs"), "results": str(tmp_path / "results"),
+        "overrides": [*SMALL, f"--data.paths=[{data}]", "--max_duration=6"], "analysis_sequences": 4,
+        "analysis_tokens": str(data),
+        "groups": [{"methods": ["pre"], "learning_rates": [1e-2], "seeds": [1], "knobs": {"n_layers": 4}},
+                   {"methods": ["hybrid_pre"], "learning_rates": [1e-2], "seeds": [1],
+                    "settings": {"max_duration": 8, "scheduler.t_warmup": 0}, "analyse_every": 4}],
+    }))
+    loaded = load_plan(plan)
+    assert [c.name for c in loaded.cells] == ["pre-n_layers=4-lr0.01-s1",
+                                              "hybrid_pre-max_duration=8-scheduler.t_warmup=0-lr0.01-s1"]
+    assert "--scheduler.t_warmup=0" in loaded.cells[1].overrides() and "--model.n_layers=4" in loaded.cells[0].overrides()
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), str(plan)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    steps = json.loads((tmp_path / "results" / loaded.cells[1].name / "analysis-steps.json").read_text())
+    assert sorted(steps, key=int) == ["4", "8"] and all(a["lens"]["applies"] for a in steps.values())
+    summary = study_v2.report(tmp_path / "results", base_depth=2, base_warmup=2, base_steps=6)
+    assert summary["depth"]["pre"]["4"]["width"] == 32 and summary["depth"]["pre"]["4"]["ppl"]["n"] == 1
+    assert summary["depth"]["pre"]["4"]["quarter_pruned"][0]["removed"] == 1
+    fusion = summary["over_time"][loaded.cells[1].name]
+    assert list(fusion) == ["4", "8"] and set(fusion["8"]["fusion_weights"]) == {"x_hybrid", "y_pre"}
+    massive = json.loads((tmp_path / "results" / loaded.cells[0].name / "analysis.json").read_text())["massive"]
+    top = massive["massive"]["residual"]
+    assert len(top["ratio"]) == 5 and all(r >= 1 for r in top["ratio"])  # embedding + 4 layers; max >= median
+    assert all(t[0] >= t[-1] for t in top["top"])
