@@ -23,8 +23,10 @@ def main(argv=None) -> int:
     parser.add_argument("--vocab", type=int, default=None,
                         help="another vocabulary size (a smaller one builds the 1.3B width fast; the embedding and "
                         "output layer are the same in every variant, so the block overhead shows more, not less)")
-    parser.add_argument("--batch", type=int, default=4, help="sequences per step (default 4)")
-    parser.add_argument("--seq", type=int, default=256, help="tokens per sequence (default 256)")
+    parser.add_argument("--batch", type=int, default=None, help="sequences per step (default 4; --cost-model: the "
+                        "recipe's microbatch)")
+    parser.add_argument("--seq", type=int, default=None, help="tokens per sequence (default 256; --cost-model: the "
+                        "recipe's)")
     parser.add_argument("--repeats", type=int, default=7, help="timings per variant, interleaved (default 7)")
     parser.add_argument("--steps-per-timing", type=int, default=2, help="training steps in one timing (default 2)")
     parser.add_argument("--modes", nargs="+", choices=["eager", "compiled"], default=["eager", "compiled"],
@@ -37,6 +39,11 @@ def main(argv=None) -> int:
                         help="instead of timing: where each variant's activation bytes go (eager, one forward), as "
                         "d_model-sized vectors per token and layer, by the module (or, inside a block's own code, "
                         "the function) that saved them")
+    parser.add_argument("--cost-model", action="store_true",
+                        help="instead of timing: the device-independent cost of one microbatch at the recipe's real "
+                        "size (its device_train_microbatch_size and sequence unless --batch/--seq are given), "
+                        "matmul FLOPs, bytes moved and kernels per layer and step, eager, bf16 autocast, and the "
+                        "estimated step time against pre on A100 / H100 / H200 (siamesenorm/costmodel.py)")
     parser.add_argument("--recompute-cost", action="store_true",
                         help="instead of the table: eager step time with recompute on and off, interleaved in one "
                         "process, as ratios to pre")
@@ -45,6 +52,29 @@ def main(argv=None) -> int:
     unknown = [t for t in types if t not in MODEL_TYPES]
     if unknown:
         parser.error(f"unknown MODEL_TYPE {unknown[0]!r}; valid: {', '.join(MODEL_TYPES)} or all")
+    if args.cost_model:
+        import dataclasses
+        import json
+
+        from siamesenorm import costmodel
+        from siamesenorm.runconfig import load_config
+
+        cfg = load_config(args.recipe)
+        model_cfg = dataclasses.replace(cfg.model, **{k: v for k, v in (("n_layers", args.layers),
+                                        ("d_model", args.d_model)) if v is not None})
+        result = costmodel.table(model_cfg, types, args.batch or cfg.device_train_microbatch_size, args.seq)
+        print(f"{args.recipe}: {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, microbatch "
+              f"{result['microbatch']} x {result['seq_len']}, bf16 autocast, eager, forward + backward; time: matmul "
+              f"at {costmodel.MATMUL_EFFICIENCY:.0%} of peak + bytes at {costmodel.BANDWIDTH_EFFICIENCY:.0%} of HBM "
+              "bandwidth")
+        print(costmodel.to_markdown(result))
+        if args.json:
+            from pathlib import Path
+
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+            print(f"wrote {args.json}")
+        return 0
+    args.batch, args.seq = args.batch or 4, args.seq or 256
     from siamesenorm.benchmark import BenchSettings, breakdown, breakdown_markdown, recompute_cost, run, save, to_markdown
 
     settings = BenchSettings(recipe=args.recipe, model_types=types, layers=args.layers, d_model=args.d_model, vocab=args.vocab,
