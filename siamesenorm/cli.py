@@ -54,7 +54,8 @@ Examples:
     try:
         code = main(args.config, overrides, dry=args.dry_run)
     except (OLMoConfigurationError, UnsafeCheckpoint) as e:
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank sees the same problem: say it once
+            print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except Terminated as e:  # preemption: the record says stopped; the same command resumes
         print(f"stopped: {e}; rerun the same command to resume from the latest checkpoint", file=sys.stderr)

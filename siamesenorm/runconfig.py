@@ -23,6 +23,7 @@ from .config import SiameseModelConfig
 from .records import StabilityConfig, stability_problem
 
 __all__ = ["SiameseTrainConfig", "RunError", "load_config", "expand_paths", "check_data_paths", "validate_run",
+           "check_batch_split", "check_corpus_size",
            "check_token_files", "unigram_loss"]
 
 
@@ -269,6 +270,21 @@ def check_batch_split(cfg: SiameseTrainConfig, world_size: int) -> None:
            f"global_train_batch_size ({cfg.global_train_batch_size}) must be divisible by the number of processes "
            f"({world_size}).")
     per_device = cfg.global_train_batch_size // world_size
-    _check(per_device % cfg.device_train_microbatch_size == 0,
-           f"the per-process batch ({per_device}) must be a multiple of device_train_microbatch_size "
-           f"({cfg.device_train_microbatch_size}).")
+    micro = cfg.device_train_microbatch_size
+    fit = max(m for m in range(1, min(micro, per_device) + 1) if per_device % m == 0)
+    _check(per_device % micro == 0,
+           f"the per-process batch ({cfg.global_train_batch_size} sequences over {world_size} processes = {per_device}) "
+           f"must be a multiple of device_train_microbatch_size ({micro}): pass --device_train_microbatch_size={fit}.")
+
+
+def check_corpus_size(cfg: SiameseTrainConfig) -> None:
+    """The training token files hold at least one global batch of sequences (OLMo divides by their count)."""
+    paths = [str(p) for p in cfg.data.paths or []]
+    if not paths or any("://" in p for p in paths):
+        return
+    seq, itemsize = cfg.model.max_sequence_length, np.dtype(str(cfg.data.memmap_dtype)).itemsize
+    sequences = sum(Path(p).stat().st_size // itemsize // seq for p in paths)
+    _check(sequences >= cfg.global_train_batch_size,
+           f"the training data hold {sequences:,d} sequences of {seq} tokens, fewer than one global batch "
+           f"({cfg.global_train_batch_size}): prepare more data (scripts/prepare_data.py) or lower "
+           "global_train_batch_size.")

@@ -37,6 +37,7 @@ from .runconfig import (
     RunError,
     SiameseTrainConfig,
     check_batch_split,
+    check_corpus_size,
     check_data_paths,
     check_token_files,
     expand_paths,
@@ -93,6 +94,7 @@ def check_data(cfg: SiameseTrainConfig, action: str = "fresh") -> None:
     """The data paths exist and are files, every token file matches its manifest and the vocabulary, and a resumed
     run trains on the files it started with."""
     check_data_paths(cfg)
+    check_corpus_size(cfg)
     if action == "resume":
         check_same_data(cfg)
     for _, data in [("data", cfg.data)] + [(ev.label, ev.data) for ev in cfg.evaluators if str(ev.type) == "lm"]:
@@ -125,6 +127,7 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
         check_data(cfg, action)
         return 0
     validate_run(cfg)  # a bad value is refused before the folder is even locked
+    check_batch_split(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or model
     lead = os.environ.get("RANK", "0") == "0"  # the folder's lock is rank 0's; the other ranks follow it
     with hold_run_folder(cfg.save_folder) if lead else contextlib.nullcontext():
         model_type, source, load_path, action = prepare(cfg)

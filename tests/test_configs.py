@@ -85,3 +85,11 @@ def test_v2_depth_recipes_hold_about_390m_parameters_at_v2s_shapes(path):
 
 def test_v2_depth_sweep_has_its_four_shapes():
     assert [p.stem for p in V2_DEPTH] == ["OLMo-390M-L10", "OLMo-390M-L17", "OLMo-390M-L33", "OLMo-390M-L80"]
+
+
+def test_hybridnorm_recipes_decay_norm_scales_as_hybridnorms_official_recipe():
+    """HybridNorm's OLMo recipe sets optimizer.decay_norm_and_bias: true (docs/fidelity.md); OLMo-1B's is false."""
+    for path in CONFIGS:
+        if path.stem.startswith("OLMo-1B"):
+            cfg = load_config(str(path))
+            assert cfg.optimizer.decay_norm_and_bias == path.stem.startswith("OLMo-1B-hybrid"), path.stem

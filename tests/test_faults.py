@@ -245,3 +245,23 @@ def test_make_tables_output_that_is_a_file_is_one_line(tmp_path):
                            str(target)], cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
     assert f"--output {target} is a file; name a folder" in error_line(proc)
     assert target.read_text() == "keep me\n"
+
+
+# ---- a cluster's first minutes (issue 22's one-line checks) ---------------------------------------------------------
+def test_a_corpus_smaller_than_one_global_batch_is_one_line_before_the_model(tmp_path):
+    small = learnable_tokens(tmp_path / "small.npy", n_tokens=32 * 5)  # 5 sequences of SMALL's 32 tokens
+    for dry in ([], ["--dry-run"]):
+        line = error_line(train([f"--data.paths=[{small}]", f"--save_folder={tmp_path / 'run'}", *dry], check=False))
+        assert "the training data hold 5 sequences of 32 tokens, fewer than one global batch (8)" in line
+
+
+def test_the_per_process_batch_error_is_said_once_with_the_fix(tmp_path, data):  # noqa: F811
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(ROOT / "scripts" / "train.py"), str(TINY), *SMALL, f"--data.paths=[{data}]",
+           f"--save_folder={tmp_path / 'run'}", "--device_train_microbatch_size=8"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=300)
+    lines = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert proc.returncode != 0 and len(lines) == 1, proc.stderr[-3000:]
+    assert "the per-process batch (8 sequences over 2 processes = 4) must be a multiple of " \
+           "device_train_microbatch_size (8): pass --device_train_microbatch_size=4." in lines[0]
+    assert not (tmp_path / "run").exists()  # refused before the folder was touched
