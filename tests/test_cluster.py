@@ -234,7 +234,6 @@ def test_truncated_or_misread_token_files_are_refused_against_the_manifest(tmp_p
     (["--compile.fullgraph=true", "--distributed_strategy=fsdp", "--fsdp.use_orig_params=false"],
      "compile: with FSDP needs fsdp.use_orig_params: true"),
     # issue 20: each accepted, or a traceback, before
-    (["--evaluators.0.data.datasets.x=[a]"], "cannot apply --evaluators.0.data.datasets.x=[a]"),
     (["--scheduler.t_warmup=-5"], "scheduler.t_warmup must be >= 0 (got -5)"),
     (["--scheduler.alpha_f=nan"], "scheduler.alpha_f is nan: every number in the config must be finite"),
     (["--scheduler.alpha_f=1.5"], "scheduler.alpha_f must be in [0, 1] (got 1.5)"),

@@ -265,3 +265,13 @@ def test_the_per_process_batch_error_is_said_once_with_the_fix(tmp_path, data): 
     assert "the per-process batch (8 sequences over 2 processes = 4) must be a multiple of " \
            "device_train_microbatch_size (8): pass --device_train_microbatch_size=4." in lines[0]
     assert not (tmp_path / "run").exists()  # refused before the folder was touched
+
+
+def test_an_override_of_one_list_item_is_one_line(tmp_path):
+    from siamesenorm.runconfig import RunError
+    from siamesenorm.train import main
+
+    with pytest.raises(RunError) as err:  # the recipe's own evaluators (SMALL would empty the list)
+        main(str(TINY), ["--evaluators.0.data.datasets.x=[a]", f"--save_folder={tmp_path}/run"], dry=True)
+    assert "cannot apply --evaluators.0.data.datasets.x=[a]" in str(err.value) and "\n" not in str(err.value)
+    assert "override a list as a whole" in str(err.value)
