@@ -10,23 +10,12 @@ import torch
 from omegaconf import OmegaConf as om
 
 from .config import LEGACY_KNOBS
-from .safeload import UnsafeCheckpoint, allow_checkpoint_types, check_torch_file, checked_loads, load, sharded_limit
+from .safeload import UnsafeCheckpoint, allow_checkpoint_types, checked_loads, load  # noqa: F401 (re-exported)
 
 log = logging.getLogger(__name__)
 
 __all__ = ["load_model_state", "load_saved_config", "legacy_overrides", "allow_checkpoint_types", "UnsafeCheckpoint",
-           "find_unsafe_file", "check_saved_yaml"]
-
-
-def find_unsafe_file(folder: str | Path) -> Optional[tuple[Path, str]]:
-    """(file, reason) for the first checkpoint file in ``folder`` that safeload.check_torch_file refuses, else None."""
-    for path in sorted(Path(folder).glob("*.pt")):
-        with open(path, "rb") as f:
-            try:
-                check_torch_file(f, str(path), sharded_limit(path))
-            except UnsafeCheckpoint as refused:
-                return path, str(refused)
-    return None
+           "check_saved_yaml"]
 
 
 MAX_CONFIG_BYTES = 2**20

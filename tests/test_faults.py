@@ -39,7 +39,7 @@ def alive(pid: int) -> bool:
 # ---- one run per save folder ---------------------------------------------------------------------------------------
 def test_a_second_run_on_a_busy_folder_is_one_line_and_changes_nothing(tmp_path, data):  # noqa: F811
     folder = tmp_path / "run"
-    args = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=2000", "--save_interval_unsharded=5"]
+    args = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=100000", "--save_interval_unsharded=5"]
     first = subprocess.Popen([*TRAIN, str(TINY), *SMALL, *args], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
                              stderr=subprocess.DEVNULL)
     try:
