@@ -273,8 +273,9 @@ def check_batch_split(cfg: SiameseTrainConfig, world_size: int) -> None:
     micro = cfg.device_train_microbatch_size
     fit = max(m for m in range(1, min(micro, per_device) + 1) if per_device % m == 0)
     _check(per_device % micro == 0,
-           f"the per-process batch ({cfg.global_train_batch_size} sequences over {world_size} processes = {per_device}) "
-           f"must be a multiple of device_train_microbatch_size ({micro}): pass --device_train_microbatch_size={fit}.")
+           f"the per-process batch ({cfg.global_train_batch_size} sequences over {world_size} processes = "
+           f"{per_device}) must be a multiple of device_train_microbatch_size ({micro}): pass "
+           f"--device_train_microbatch_size={fit}.")
 
 
 def check_corpus_size(cfg: SiameseTrainConfig) -> None:

@@ -48,12 +48,14 @@ from .runconfig import RunError, SiameseTrainConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["hold_run_folder", "LOCK_NAME", "plan_run", "clear_run_folder", "settle_run_folder", "resolve_run_model_type", "check_resume_model",
+__all__ = ["hold_run_folder", "LOCK_NAME", "plan_run", "clear_run_folder", "settle_run_folder", "resolve_run_model_type",
+           "check_resume_model", "check_same_data", "data_fingerprint", "read_record",
            "truncate_metrics", "RUN_ARTEFACTS"]
 
 #: What a training run writes into its save folder; only these are deleted when a run starts over.
 FINGERPRINT_NAME = "data-fingerprint.json"
-RUN_ARTEFACTS = ("config.yaml", RECORD_NAME, FINGERPRINT_NAME, "metrics.jsonl", "console.log", "train_data", "data-indices", "wandb",
+RUN_ARTEFACTS = ("config.yaml", RECORD_NAME, FINGERPRINT_NAME, "metrics.jsonl", "console.log", "train_data",
+                 "data-indices", "wandb",
                  "step*", "latest*")
 
 
@@ -228,8 +230,9 @@ def truncate_metrics(path: Path, step: int) -> int:
     if not path.is_file():
         return 0
     rows = path.read_bytes().decode("utf-8", errors="replace").splitlines()
-    kept = [row for row in rows if (_row_step(row) or step + 1) <= step]
-    unreadable = sum(1 for row in rows if row.strip() and _row_step(row) is None)
+    steps = [_row_step(row) for row in rows]
+    kept = [row for row, row_step in zip(rows, steps) if row_step is not None and row_step <= step]
+    unreadable = sum(1 for row, row_step in zip(rows, steps) if row.strip() and row_step is None)
     if unreadable:
         log.warning("%s: dropped %d unreadable line(s) (cut by a kill, or not JSON)", path, unreadable)
     if len(kept) != len(rows):
@@ -319,11 +322,15 @@ def check_same_data(cfg: SiameseTrainConfig) -> None:
     changed = [p for p in sorted(set(before) | set(now)) if before.get(p) != now.get(p)]
     what = changed[0]
     old, new = before.get(what), now.get(what)
-    detail = ("not in the run's data before" if old is None else "no longer in the run's data" if new is None
-              else f"{old.get('bytes', 0):,d} bytes then, {new.get('bytes', 0):,d} now" if old.get("bytes") != new.get("bytes")
-              else "same size, other content")
+    if old is None or new is None:
+        detail = "not in the run's data before" if old is None else "no longer in the run's data"
+    elif old.get("bytes") != new.get("bytes"):
+        detail = f"{old.get('bytes', 0):,d} bytes then, {new.get('bytes', 0):,d} now"
+    else:
+        detail = "same size, other content"
     if cfg.resume_on_new_data:
-        log.warning("resuming on other token files than the run started with (%s: %s; resume_on_new_data)", what, detail)
+        log.warning("resuming on other token files than the run started with (%s: %s; resume_on_new_data)", what,
+                    detail)
         saved.write_text(json.dumps(data_fingerprint(cfg), indent=1) + "\n")
         return
     raise RunError(f"the token files differ from the ones this run started with ({len(changed)} file(s); {what}: "

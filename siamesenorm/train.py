@@ -31,7 +31,6 @@ from .checkpoints import allow_checkpoint_types
 from .console import detach_run_logs
 from .config import validate_model_config
 from .model import build_model, num_params_from_config
-from .safeload import UnsafeCheckpoint, checked_loads
 from .records import EXIT_DIVERGED, RECORD_NAME, Diverged, StabilityMonitor, config_hash, recipe_hash, variant_knobs
 from .runconfig import (
     RunError,
@@ -45,7 +44,17 @@ from .runconfig import (
     unigram_loss,
     validate_run,
 )
-from .runfolder import check_resume_model, check_same_data, hold_run_folder, plan_run, read_record, resolve_run_model_type, settle_run_folder, truncate_metrics
+from .runfolder import (
+    check_resume_model,
+    check_same_data,
+    hold_run_folder,
+    plan_run,
+    read_record,
+    resolve_run_model_type,
+    settle_run_folder,
+    truncate_metrics,
+)
+from .safeload import UnsafeCheckpoint, checked_loads
 from .trainer import (
     NoSpace,
     SiameseTrainer,
