@@ -11,7 +11,8 @@ For one microbatch, forward and backward (the loss included, in fp32 as autocast
 The model is built of fake tensors (torch's FakeTensorMode: shapes and dtypes, no storage) and run under CPU autocast
 to bf16, as the recipes' ``precision: amp_bf16`` runs on a GPU: matmuls in bf16, OLMo's norms and the loss in fp32.
 The estimated time on a device is ``matmul_flops / (peak x MATMUL_EFFICIENCY) + bytes / (bandwidth x
-BANDWIDTH_EFFICIENCY)``, with the devices' figures in ``DEVICES``; ratios to ``pre`` are what to read (the efficiencies cancel to first order). Eager only:
+BANDWIDTH_EFFICIENCY)``, with the devices' figures in ``DEVICES``; ratios to ``pre`` are what to read (the
+efficiencies cancel to first order). Eager only:
 it counts what an unfused run launches, the upper bound a compiled run improves on.
 """
 

@@ -48,8 +48,8 @@ from .runconfig import RunError, SiameseTrainConfig
 
 log = logging.getLogger(__name__)
 
-__all__ = ["hold_run_folder", "LOCK_NAME", "plan_run", "clear_run_folder", "settle_run_folder", "resolve_run_model_type",
-           "check_resume_model", "check_same_data", "data_fingerprint", "read_record",
+__all__ = ["hold_run_folder", "LOCK_NAME", "plan_run", "clear_run_folder", "settle_run_folder",
+           "resolve_run_model_type", "check_resume_model", "check_same_data", "data_fingerprint", "read_record",
            "truncate_metrics", "RUN_ARTEFACTS"]
 
 #: What a training run writes into its save folder; only these are deleted when a run starts over.

@@ -35,7 +35,8 @@ from typing import Any, BinaryIO, Callable, Dict, Optional
 
 import torch
 
-__all__ = ["UnsafeCheckpoint", "check_torch_file", "load", "allow_checkpoint_types", "sharded_limit", "load_olmo_safetensors", "checked_loads", "unpickle_plain",
+__all__ = ["UnsafeCheckpoint", "check_torch_file", "load", "allow_checkpoint_types", "sharded_limit",
+           "load_olmo_safetensors", "checked_loads", "unpickle_plain",
            "MAX_PICKLE_BYTES"]
 
 MAX_PICKLE_BYTES = 256 * 2**20  # a 1.3B model's FSDP rank file pickles to a few MB
@@ -407,7 +408,9 @@ def check_torch_file(file: BinaryIO, name: str, sharded_limit: Optional[int] = N
 def sharded_limit(path: Path) -> int:
     """What a sharded tensor in ``path`` may claim: the bytes of all the rank files beside it (or its own)."""
     ranks = list(path.parent.glob("rank*.pt"))
-    return sum(p.stat().st_size for p in ranks) if path in ranks or path.name.startswith("rank") else path.stat().st_size
+    if path in ranks or path.name.startswith("rank"):
+        return sum(p.stat().st_size for p in ranks)
+    return path.stat().st_size
 
 
 def load(path, map_location=None, **_ignored):

@@ -25,11 +25,11 @@ BASE_DEPTH = 16  # configs/study-cpu.yaml
 def cell_setting(cell: Dict, results: Path) -> Dict:
     """model type, depth, width, warmup, steps, seed, lr and knobs of a cell (from its config.yaml)."""
     config = yaml.safe_load((results / cell["name"] / "config.yaml").read_text())
-    rec = cell["record"]
+    rec, model = cell["record"], config["model"]
     return {"model_type": rec["model_type"], "depth": config["model"]["n_layers"], "width": config["model"]["d_model"],
             "warmup": config["scheduler"]["t_warmup"], "steps": int(str(config["max_duration"])),
             "seed": rec.get("seed"), "lr": rec["learning_rate"], "knobs": rec.get("variant_knobs") or {},
-            "non_embedding": rec.get("parameters", 0) - 2 * config["model"]["embedding_size"] * config["model"]["d_model"]}
+            "non_embedding": rec.get("parameters", 0) - 2 * model["embedding_size"] * model["d_model"]}
 
 
 def _ppl(cell: Dict) -> Optional[float]:
@@ -76,8 +76,9 @@ def report(results: str | Path, earlier: Optional[str | Path] = None, base_depth
     seeds: Dict[str, Dict] = {}
     extra = []
     if earlier is not None and Path(earlier).is_dir():
+        wanted = ("post_pre", 3e-2, 1)  # the seed-1 cell of post_pre at 3e-2 ran in the first study
         extra = [c for c in load_cells(earlier) if not c["record"].get("variant_knobs")
-                 and (c["record"]["model_type"], c["record"]["learning_rate"], c["record"].get("seed")) == ("post_pre", 3e-2, 1)]
+                 and (c["record"]["model_type"], c["record"]["learning_rate"], c["record"].get("seed")) == wanted]
     for c, s in base + [(c, {"model_type": "post_pre", "lr": 3e-2, "depth": base_depth}) for c in extra]:
         if s["depth"] == base_depth:
             seeds.setdefault(f"{s['model_type']} lr {format_lr(s['lr'])}", []).append(_ppl(c))
