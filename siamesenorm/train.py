@@ -103,13 +103,13 @@ def check_data(cfg: SiameseTrainConfig, action: str = "fresh") -> None:
     """The data paths exist and are files, every token file matches its manifest and the vocabulary, and a resumed
     run trains on the files it started with."""
     check_data_paths(cfg)
-    check_corpus_size(cfg)
     if action == "resume":
         check_same_data(cfg)
     for _, data in [("data", cfg.data)] + [(ev.label, ev.data) for ev in cfg.evaluators if str(ev.type) == "lm"]:
         paths = list(data.paths or []) + [p for group in (data.datasets or {}).values() for p in group]
         check_token_files([str(p) for p in paths], str(data.memmap_dtype), cfg.model.vocab_size,
                           cfg.verify_data_sha256)
+    check_corpus_size(cfg)  # after the files' own checks, which name the file at fault
 
 
 def dry_run(cfg: SiameseTrainConfig, model_type: str, action: str, load_path: Optional[str]) -> None:
