@@ -10,7 +10,13 @@ import torch
 from omegaconf import OmegaConf as om
 
 from .config import LEGACY_KNOBS
-from .safeload import UnsafeCheckpoint, allow_checkpoint_types, checked_loads, load  # noqa: F401 (re-exported)
+from .safeload import (  # noqa: F401 (UnsafeCheckpoint, allow_checkpoint_types: re-exported)
+    UnsafeCheckpoint,
+    allow_checkpoint_types,
+    checked_loads,
+    load,
+    sharded_tensors_in_one_process,
+)
 
 log = logging.getLogger(__name__)
 
@@ -77,9 +83,9 @@ def load_model_state(checkpoint_dir: str | Path) -> Dict[str, torch.Tensor]:
         from olmo.checkpoint import TorchLegacyShardedCheckpointer
 
         cfg = load_saved_config(folder / "config.yaml")
-        # OLMo unshards in one process by patching how torch rebuilds a ShardedTensor; every rank file it opens is
-        # checked by safeload.load and read with weights_only=True.
-        with checked_loads():
+        # OLMo unshards in one process; every rank file it opens is checked by safeload.load and read with
+        # weights_only=True, its ShardedTensors keeping their saved state without a process group.
+        with checked_loads(), sharded_tensors_in_one_process():
             model_state, _, _ = TorchLegacyShardedCheckpointer(cfg).unshard_checkpoint(
                 folder, load_optimizer_state=False, load_trainer_state=False
             )

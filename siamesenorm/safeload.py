@@ -36,7 +36,7 @@ from typing import Any, BinaryIO, Callable, Dict, Optional
 import torch
 
 __all__ = ["UnsafeCheckpoint", "check_torch_file", "load", "allow_checkpoint_types", "sharded_limit",
-           "load_olmo_safetensors", "checked_loads", "unpickle_plain",
+           "load_olmo_safetensors", "checked_loads", "sharded_tensors_in_one_process", "unpickle_plain",
            "MAX_PICKLE_BYTES"]
 
 MAX_PICKLE_BYTES = 256 * 2**20  # a 1.3B model's FSDP rank file pickles to a few MB
@@ -531,6 +531,26 @@ def load_olmo_safetensors(filename, map_location: Optional[str] = None) -> Dict:
                 raise UnsafeCheckpoint(f"refusing to load {filename}: tensor names that overlap")
         target[keys[-1]] = value
     return result
+
+
+@contextlib.contextmanager
+def sharded_tensors_in_one_process():
+    """Let FSDP's ShardedTensors unpickle without a process group (unsharding in one process): their state is kept as
+    saved instead of being checked against the group. torch's weights_only reader calls the class's __setstate__
+    (OLMo patches torch._tensor._rebuild_from_type_v2 for this, which torch's cached allow-list no longer sees after
+    the first load in a process)."""
+    from torch.distributed._shard.sharded_tensor.api import ShardedTensor
+
+    def keep_state(self, state):
+        self._local_shards, self._metadata, _, self._sharding_spec, self._init_rrefs = state
+        self._sharded_tensor_id = None
+
+    saved = ShardedTensor.__setstate__
+    ShardedTensor.__setstate__ = keep_state
+    try:
+        yield
+    finally:
+        ShardedTensor.__setstate__ = saved
 
 
 @contextlib.contextmanager
