@@ -99,12 +99,10 @@ def prepare(cfg: SiameseTrainConfig) -> tuple[str, str, Optional[str], str]:
     return model_type, source, load_path, action
 
 
-def check_data(cfg: SiameseTrainConfig, action: str = "fresh") -> None:
-    """The data paths exist and are files, every token file matches its manifest and the vocabulary, and a resumed
-    run trains on the files it started with."""
+def check_data(cfg: SiameseTrainConfig) -> None:
+    """The data paths exist and are files, every token file matches its manifest and the vocabulary, and they hold
+    at least one global batch (nothing here depends on the run folder)."""
     check_data_paths(cfg)
-    if action == "resume":
-        check_same_data(cfg)
     for _, data in [("data", cfg.data)] + [(ev.label, ev.data) for ev in cfg.evaluators if str(ev.type) == "lm"]:
         paths = list(data.paths or []) + [p for group in (data.datasets or {}).values() for p in group]
         check_token_files([str(p) for p in paths], str(data.memmap_dtype), cfg.model.vocab_size,
@@ -133,10 +131,13 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
     if dry or cfg.dry_run:  # the config, the parameters and the plan first, then the data as a real start checks it
         model_type, source, load_path, action = prepare(cfg)
         dry_run(cfg, model_type, action, load_path)
-        check_data(cfg, action)
+        check_data(cfg)
+        if action == "resume":
+            check_same_data(cfg)
         return 0
     validate_run(cfg)  # a bad value is refused before the folder is even locked
     check_batch_split(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or model
+    check_data(cfg)  # the data do not depend on the folder: a missing file is said before the folder is touched
     lead = os.environ.get("RANK", "0") == "0"  # the folder's lock is rank 0's; the other ranks follow it
     with hold_run_folder(cfg.save_folder) if lead else contextlib.nullcontext():
         model_type, source, load_path, action = prepare(cfg)
@@ -145,7 +146,8 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
                      "(pass a larger --max_duration to continue it, or --save_overwrite to train it again)",
                      cfg.save_folder, Path(load_path).name, cfg.max_duration)
             return 0
-        check_data(cfg, action)
+        if action == "resume":
+            check_same_data(cfg)
         launched = {k: os.environ.get(k) for k in _GROUP_ENV}
         try:
             return train(cfg, config_path, model_type, source, load_path, action)

@@ -160,9 +160,11 @@ class _NumpyBomb:
 
 
 def peak_rss_mb(code: str) -> tuple[int, str]:
-    """Run ``code`` in a fresh Python; return (its peak RSS in MB, its output)."""
-    proc = subprocess.run([sys.executable, "-c", code + "\nimport resource; print('RSS', resource.getrusage("
-                           "resource.RUSAGE_SELF).ru_maxrss // 1024)"], cwd=ROOT, env=env(), capture_output=True,
+    """Run ``code`` in a fresh Python; return (its peak RSS in MB, its output). VmHWM belongs to the new program's
+    memory (ru_maxrss would carry over the forking pytest process's peak across exec)."""
+    hwm = ("\nimport re; print('RSS', int(re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read())"
+           ".group(1)) // 1024)")
+    proc = subprocess.run([sys.executable, "-c", code + hwm], cwd=ROOT, env=env(), capture_output=True,
                           text=True, timeout=300)
     rss = int(next(line.split()[1] for line in proc.stdout.splitlines() if line.startswith("RSS")))
     return rss, proc.stdout + proc.stderr
