@@ -42,8 +42,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cost-model", action="store_true",
                         help="instead of timing: the device-independent cost of one microbatch at the recipe's real "
                         "size (its device_train_microbatch_size and sequence unless --batch/--seq are given), "
-                        "matmul FLOPs, bytes moved and kernels per layer and step, eager, bf16 autocast, and the "
-                        "estimated step time against pre on A100 / H100 / H200 (siamesenorm/costmodel.py)")
+                        "matmul FLOPs, bytes moved and kernels per layer and step, bf16 autocast, eager and (with --modes "
+                        "compiled, the default) each block compiled by inductor (minutes a variant on 2 CPU cores), "
+                        "and the estimated step time against pre on A100 / H100 / H200 (siamesenorm/costmodel.py)")
     parser.add_argument("--recompute-cost", action="store_true",
                         help="instead of the table: eager step time with recompute on and off, interleaved in one "
                         "process, as ratios to pre")
@@ -62,12 +63,16 @@ def main(argv=None) -> int:
         cfg = load_config(args.recipe)
         model_cfg = dataclasses.replace(cfg.model, **{k: v for k, v in (("n_layers", args.layers),
                                         ("d_model", args.d_model)) if v is not None})
-        result = costmodel.table(model_cfg, types, args.batch or cfg.device_train_microbatch_size, args.seq)
-        print(f"{args.recipe}: {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, microbatch "
-              f"{result['microbatch']} x {result['seq_len']}, bf16 autocast, eager, forward + backward; time: matmul "
-              f"at {costmodel.MATMUL_EFFICIENCY:.0%} of peak + bytes at {costmodel.BANDWIDTH_EFFICIENCY:.0%} of HBM "
-              "bandwidth")
-        print(costmodel.to_markdown(result))
+        compiled = "compiled" in args.modes
+        result = costmodel.table(model_cfg, types, args.batch or cfg.device_train_microbatch_size, args.seq,
+                                 compiled=compiled,
+                                 progress=lambda mt: print(f"counting {mt}", file=sys.stderr, flush=True))
+        for mode in result["modes"]:
+            print(f"\n{args.recipe}: {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, microbatch "
+                  f"{result['microbatch']} x {result['seq_len']}, bf16 autocast, {mode}, forward + backward; time: "
+                  f"matmul at {costmodel.MATMUL_EFFICIENCY:.0%} of peak + bytes at "
+                  f"{costmodel.BANDWIDTH_EFFICIENCY:.0%} of HBM bandwidth")
+            print(costmodel.to_markdown(result, mode))
         if args.json:
             from pathlib import Path
 

@@ -348,26 +348,22 @@ def breakdown_markdown(result: Dict[str, Dict[str, float]]) -> str:
 
 
 def recompute_cost(settings: BenchSettings) -> Dict[str, Dict[str, float]]:
-    """Step time with recompute on and off (``variants._block.RECOMPUTE``), eager, every variant and both settings
-    interleaved in one process for ``repeats`` rounds: {model_type: {"on": x pre, "off": x pre}}, both divided by
-    pre with recompute on (pre's blocks are OLMo's own, so its two timings differ only by noise)."""
+    """Step time with ``model.recompute_cheap`` on and off, eager, every variant and both settings interleaved in
+    one process for ``repeats`` rounds: {model_type: {"on": x pre, "off": x pre}}, both divided by pre with
+    recompute on (pre's two norms are recomputed too when on)."""
     from torch.utils.benchmark import Timer
 
-    from .variants import _block
+    from .variants._block import set_recompute
 
     cfg = model_config(settings)
     steps = {mt: _Variant(mt, "eager", settings, cfg) for mt in dict.fromkeys(["pre", *settings.model_types])}
     times: Dict[tuple, List[float]] = {(mt, on): [] for mt in steps for on in (True, False)}
-    saved = _block.RECOMPUTE
-    try:
-        for _ in range(settings.repeats):
-            for mt, v in steps.items():
-                for on in (True, False):
-                    _block.RECOMPUTE = on
-                    timer = Timer(stmt="step()", globals={"step": v.step})
-                    times[(mt, on)].append(timer.timeit(1).median)
-    finally:
-        _block.RECOMPUTE = saved
+    for _ in range(settings.repeats):
+        for mt, v in steps.items():
+            for on in (True, False):
+                set_recompute(v.model, on)
+                timer = Timer(stmt="step()", globals={"step": v.step})
+                times[(mt, on)].append(timer.timeit(1).median)
     base = statistics.median(times[("pre", True)])
     return {mt: {("on" if on else "off"): statistics.median(times[(mt, on)]) / base for on in (True, False)}
             for mt in steps}

@@ -17,7 +17,7 @@ from olmo.config import BlockType, ModelConfig
 
 from .nn.topologies import DEPTH_SCALING_FORMS, NORM_POSITIONS, SINKHORN_ORDERS
 from .variants import KNOB_OWNERS, KNOBS, VARIANTS
-from .variants._block import depth_scale
+from .variants._block import RECOMPUTE_DEFAULT, depth_scale
 from .variants.spec import UNSET, fail, knob
 
 __all__ = [
@@ -57,9 +57,12 @@ def _knob_field(k):
 
 
 _MODEL_TYPE_DOC = "One of MODEL_TYPES. The MODEL_TYPE environment variable overrides it; None means pre."
+_RECOMPUTE_DOC = ("Recompute every block's norms (pre's too) and hc/mhc's stream mixing in backward instead of saving "
+                  "their intermediates: less activation memory, the norms run twice (exact either way).")
 SiameseModelConfig = dataclasses.make_dataclass(
     "SiameseModelConfig",
-    [("model_type", Optional[str], dataclasses.field(default=None, metadata={"doc": _MODEL_TYPE_DOC}))]
+    [("model_type", Optional[str], dataclasses.field(default=None, metadata={"doc": _MODEL_TYPE_DOC})),
+     ("recompute_cheap", bool, dataclasses.field(default=RECOMPUTE_DEFAULT, metadata={"doc": _RECOMPUTE_DOC}))]
     + [_knob_field(k) for k in KNOBS.values()],
     bases=(ModelConfig,),
     namespace={"__post_init__": _post_init, "__module__": __name__},

@@ -12,12 +12,19 @@ The model is built of fake tensors (torch's FakeTensorMode: shapes and dtypes, n
 to bf16, as the recipes' ``precision: amp_bf16`` runs on a GPU: matmuls in bf16, OLMo's norms and the loss in fp32.
 The estimated time on a device is ``matmul_flops / (peak x MATMUL_EFFICIENCY) + bytes / (bandwidth x
 BANDWIDTH_EFFICIENCY)``, with the devices' figures in ``DEVICES``; ratios to ``pre`` are what to read (the
-efficiencies cancel to first order). Eager only:
-it counts what an unfused run launches, the upper bound a compiled run improves on.
+efficiencies cancel to first order).
+
+Eager counts what an unfused run launches. Compiled (``compiled_layer_cost``) reads what inductor itself fuses: a
+middle block is compiled alone, as ``compile:`` compiles each block, and every kernel of its forward and backward
+graphs is taken from inductor's scheduler with the buffers it reads and writes in memory. Inductor's CPU backend
+lowers it here (no GPU, no Triton on these machines): the graph, its decompositions and the scheduler's fusion rules
+are the ones its GPU backend uses, its code generator is not, so read compiled figures as what inductor's fusion
+leaves to move, not as a Triton kernel's exact traffic.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Dict, Optional
@@ -27,7 +34,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 __all__ = ["DEVICES", "MATMUL_EFFICIENCY", "BANDWIDTH_EFFICIENCY", "Cost", "count", "step_cost", "estimate_seconds",
-           "total", "table", "to_markdown"]
+           "total", "table", "to_markdown", "compiled_layer_cost", "with_compiled_blocks"]
 
 #: bf16 dense matmul peak (TFLOP/s) and HBM bandwidth (GB/s) from the vendors' data sheets (SXM parts).
 DEVICES = {
@@ -144,18 +151,39 @@ def _fake_count(model_cfg, model_type: str, n_layers: int, microbatch: int, seq_
 
 def step_cost(model_cfg, model_type: str, microbatch: int, seq_len: Optional[int] = None,
               autocast: Optional[torch.dtype] = torch.bfloat16) -> Dict[str, Dict]:
-    """{"step": {forward, backward}, "layer": {forward, backward}, "by_op"} for one microbatch: the whole model, and
-    one layer (the whole model less a one-layer model, over the layers between: their mean where layers differ)."""
+    """{"step": {forward, backward}, "layer": {forward, backward}, "by_op"} for one microbatch, eager: the whole
+    model, and one layer: a middle block (a 3-layer model less a 2-layer one: the first block widens the embedding
+    and the last fuses the streams, so a middle block is what the other layers cost); with fewer than 3 layers, the
+    whole model less a one-layer model, over the layers between."""
     seq_len = seq_len or model_cfg.max_sequence_length
     n = model_cfg.n_layers
     full = _fake_count(model_cfg, model_type, n, microbatch, seq_len, autocast)
-    if n > 1:
-        shorter = _fake_count(model_cfg, model_type, 1, microbatch, seq_len, autocast)
-        layer = {k: (full[k] - shorter[k]).scaled(1 / (n - 1)) for k in full}
+    if n >= 3:
+        three = full if n == 3 else _fake_count(model_cfg, model_type, 3, microbatch, seq_len, autocast)
+        two = _fake_count(model_cfg, model_type, 2, microbatch, seq_len, autocast)
+        layer = {k: three[k] - two[k] for k in full}
+    elif n == 2:
+        one = _fake_count(model_cfg, model_type, 1, microbatch, seq_len, autocast)
+        layer = {k: full[k] - one[k] for k in full}
     else:
         layer = full
     return {"step": {k: v.summary() for k, v in full.items()}, "layer": {k: v.summary() for k, v in layer.items()},
             "by_op": {k: v.by_op for k, v in full.items()}}
+
+
+def with_compiled_blocks(eager: Dict, compiled_layer: Dict[str, Dict[str, int]], n_layers: int) -> Dict:
+    """A step's and a layer's cost with every block compiled: each of the ``n_layers`` blocks costs the compiled
+    middle block's bytes and kernels instead of the eager one's (the first block's widening and the last block's
+    stream fusion, outside a middle block, stay counted eager, as do the embedding, final norm and loss, which
+    ``compile:`` leaves eager); matmul FLOPs are unchanged."""
+    layer, step = {}, {}
+    for phase in ("forward", "backward"):
+        e_layer, c_layer = eager["layer"][phase], compiled_layer[phase]
+        layer[phase] = {"matmul_flops": e_layer["matmul_flops"], "bytes": c_layer["bytes"],
+                        "kernels": c_layer["kernels"]}
+        step[phase] = {k: eager["step"][phase][k] + n_layers * (layer[phase][k] - e_layer[k])
+                       for k in ("matmul_flops", "bytes", "kernels")}
+    return {"step": step, "layer": layer}
 
 
 def estimate_seconds(cost: Dict[str, int], device: str) -> float:
@@ -171,31 +199,154 @@ def total(costs: Dict[str, Dict[str, int]]) -> Dict[str, int]:
 
 
 def table(model_cfg, model_types, microbatch: int, seq_len: Optional[int] = None,
-          autocast: Optional[torch.dtype] = torch.bfloat16) -> Dict:
-    """Every model type's step and layer costs, and its estimated step time on each device as a ratio to pre's."""
+          autocast: Optional[torch.dtype] = torch.bfloat16, compiled: bool = False, progress=None) -> Dict:
+    """Every model type's step and layer costs, eager (and with compiled blocks when ``compiled``), and its estimated
+    step time on each device as a ratio to pre's of the same mode. ``progress(model_type)`` is called before each."""
     types = ["pre"] + [t for t in model_types if t != "pre"]
-    costs = {mt: step_cost(model_cfg, mt, microbatch, seq_len, autocast) for mt in types}
+    modes = ("eager", "compiled") if compiled else ("eager",)
+    costs = {}
+    for mt in types:
+        if progress is not None:
+            progress(mt)
+        eager = step_cost(model_cfg, mt, microbatch, seq_len, autocast)
+        costs[mt] = {"eager": eager}
+        if compiled:
+            costs[mt]["compiled"] = with_compiled_blocks(
+                eager, compiled_layer_cost(model_cfg, mt, microbatch, seq_len), model_cfg.n_layers)
     rows = {}
-    for mt, c in costs.items():
-        step, layer = total(c["step"]), total(c["layer"])
-        rows[mt] = {"step": c["step"], "layer": c["layer"],
-                    "layer_bytes_ratio": layer["bytes"] / total(costs["pre"]["layer"])["bytes"],
-                    "layer_kernels_ratio": layer["kernels"] / total(costs["pre"]["layer"])["kernels"],
-                    "time_ratio": {d: estimate_seconds(step, d) / estimate_seconds(total(costs["pre"]["step"]), d)
-                                   for d in DEVICES}}
+    for mt, by_mode in costs.items():
+        rows[mt] = {}
+        for mode in modes:
+            c, base = by_mode[mode], costs["pre"][mode]
+            step, layer = total(c["step"]), total(c["layer"])
+            rows[mt][mode] = {
+                "step": c["step"], "layer": c["layer"],
+                "layer_bytes_ratio": layer["bytes"] / total(base["layer"])["bytes"],
+                "layer_kernels_ratio": layer["kernels"] / total(base["layer"])["kernels"],
+                "time_ratio": {d: estimate_seconds(step, d) / estimate_seconds(total(base["step"]), d)
+                               for d in DEVICES}}
     return {"microbatch": microbatch, "seq_len": seq_len or model_cfg.max_sequence_length,
             "precision": str(autocast) if autocast is not None else "fp32", "n_layers": model_cfg.n_layers,
-            "d_model": model_cfg.d_model, "rows": rows, "devices": DEVICES,
+            "d_model": model_cfg.d_model, "modes": list(modes), "rows": rows, "devices": DEVICES,
             "efficiency": {"matmul": MATMUL_EFFICIENCY, "bandwidth": BANDWIDTH_EFFICIENCY}}
 
 
-def to_markdown(result: Dict) -> str:
+def to_markdown(result: Dict, mode: str = "eager") -> str:
     devices = list(result["devices"])
     head = ("| MODEL_TYPE | layer matmul TFLOP | layer GB moved | layer kernels | step GB | "
             + " | ".join(f"time vs pre, {d}" for d in devices) + " |")
     lines = [head, "| --- |" + " ---: |" * (4 + len(devices))]
-    for mt, r in result["rows"].items():
+    for mt, by_mode in result["rows"].items():
+        r = by_mode[mode]
         layer, step = total(r["layer"]), total(r["step"])
         lines.append(f"| {mt} | {layer['matmul_flops'] / 1e12:.2f} | {layer['bytes'] / 1e9:.1f} | {layer['kernels']} | "
                      f"{step['bytes'] / 1e9:.0f} | " + " | ".join(f"{r['time_ratio'][d]:.3f}" for d in devices) + " |")
     return "\n".join(lines)
+
+
+# ---- compiled blocks ---------------------------------------------------------------------------------------------
+#: Extern kernels that are matrix products (their FLOPs are the eager count's; their bytes are not non-matmul traffic).
+_EXTERN_MATMULS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+def _scheduled_cost(nodes) -> Cost:
+    """Cost of one compiled graph from inductor's scheduler: every fused kernel's reads and writes (the buffers it
+    takes from and leaves in memory, not what stays in registers), extern kernels as eager ops, no-op nodes free."""
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+
+    cost = Cost()
+    for node in nodes:
+        if isinstance(node, NopKernelSchedulerNode):
+            continue
+        if isinstance(node, ExternKernelSchedulerNode):
+            kernel = getattr(node.node, "python_kernel_name", None) or ""
+            if not kernel:
+                continue  # MultiOutput and the like: views of an extern kernel's result, no launch
+            name = kernel.rsplit(".", 1)[-1] if not kernel.endswith(".default") else kernel.rsplit(".", 2)[-2]
+            if name in _EXTERN_MATMULS:
+                cost.add(name, 0, 0)
+                continue
+            cost.add(name, 0, node.get_read_write_buffers_sizes())
+        else:
+            cost.add("fused", 0, node.get_read_write_buffers_sizes())
+    return cost
+
+
+@contextlib.contextmanager
+def _recording_inductor_graphs(graphs: list):
+    """Within: every graph inductor lowers appends (is_backward, its Cost) to ``graphs``. Inductor's
+    FX-graph and AOT-autograd caches are off, so every compile is lowered and seen."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+
+    original = GraphLowering.codegen
+
+    def codegen(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        with V.set_graph_handler(self):  # the buffers' sizes are looked up in the graph being lowered
+            graphs.append((bool(getattr(self, "is_backward", False)), _scheduled_cost(self.scheduler.nodes)))
+        return out
+
+    GraphLowering.codegen = codegen
+    try:
+        # caches off (a cached graph is not lowered); scalar C++ kernels: the same fusion, compiled faster
+        with inductor_config.patch(fx_graph_cache=False, compile_threads=1, **{"cpp.simdlen": 1}), \
+                functorch_config.patch(enable_autograd_cache=False):
+            yield graphs
+    finally:
+        GraphLowering.codegen = original
+
+
+def _compiled_middle_block(model_cfg, model_type: str, tokens: int) -> Dict[str, Cost]:
+    """{"forward", "backward"} Cost of one middle block (layer 1 of 3: the first block widens the embedding into the
+    streams and the last fuses them) compiled alone by inductor, as ``compile:`` compiles each block, and run forward
+    and backward on one sequence of ``tokens`` tokens at the recipe's width, bf16 parameters under CPU autocast to
+    bf16 (the parameters' values do not matter: only the graphs are read)."""
+    import torch._dynamo
+
+    from .model import build_model
+
+    cfg = dataclasses.replace(model_cfg, n_layers=3, init_device="cpu", max_sequence_length=max(tokens, 1))
+    block = build_model(cfg, model_type, init_params=False).transformer.blocks[1]
+    with torch.no_grad():
+        for param in block.parameters():
+            param.data = torch.randn(param.shape, dtype=torch.bfloat16) * 0.02 + (1 if param.ndim == 1 else 0)
+    torch._dynamo.reset()
+    block.compile(fullgraph=True, dynamic=False)
+    width = cfg.d_model * getattr(block, "n_streams", 1)
+    x = torch.randn(1, tokens, width, dtype=torch.bfloat16, requires_grad=True)
+    graphs: list = []
+    with _recording_inductor_graphs(graphs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = block(x)[0]
+        out.backward(torch.randn_like(out))
+    torch._dynamo.reset()
+    if [backward for backward, _ in graphs] != [False, True]:
+        raise RuntimeError(f"{model_type}: expected one forward and one backward graph from the compiled block, got "
+                           f"{[('backward' if b else 'forward') for b, _ in graphs]} (a graph break?)")
+    return {("backward" if backward else "forward"): cost for backward, cost in graphs}
+
+
+def compiled_layer_cost(model_cfg, model_type: str, microbatch: int, seq_len: Optional[int] = None,
+                        sample_tokens=(64, 128)) -> Dict[str, Dict[str, int]]:
+    """{"forward", "backward"} cost of one middle layer with the block compiled by inductor, at ``microbatch`` x
+    ``seq_len`` tokens: inductor's own fusion of the block's forward and backward graphs, read from its scheduler
+    (each fused kernel's read and write buffers), lowered by inductor's CPU backend on two small token counts and
+    carried linearly to the real count (every non-matmul buffer of a block is per token or per feature; the two
+    samples' kernel counts must agree, so the fusion does not change with size). Matmul FLOPs are not recounted:
+    they are the eager count's."""
+    seq_len = seq_len or model_cfg.max_sequence_length
+    real = microbatch * seq_len
+    t1, t2 = sample_tokens
+    a, b = (_compiled_middle_block(model_cfg, model_type, t) for t in (t1, t2))
+    result = {}
+    for phase in ("forward", "backward"):
+        if a[phase].kernels != b[phase].kernels:
+            raise RuntimeError(f"{model_type} {phase}: inductor fused {t1} and {t2} tokens into different kernel counts "
+                               f"({a[phase].kernels}, {b[phase].kernels}); carry from larger samples")
+        per_token = (b[phase].bytes - a[phase].bytes) / (t2 - t1)
+        result[phase] = {"matmul_flops": 0, "bytes": int(round(a[phase].bytes + per_token * (real - t1))),
+                         "kernels": a[phase].kernels}
+    return result

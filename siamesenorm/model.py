@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from typing import Optional
 
 from olmo.config import ModelConfig
@@ -10,6 +11,8 @@ from olmo.model import OLMo
 
 from .config import as_siamese_config, resolve_model_type, validate_model_config
 from .registry import forced_model_type
+from .variants._block import set_recompute
+from .variants.spec import fail
 
 __all__ = ["build_model", "num_params_from_config"]
 
@@ -24,12 +27,17 @@ def build_model(model_config: ModelConfig, model_type: Optional[str] = None, ini
     """
     resolved, source = resolve_model_type(model_config, model_type)
     validate_model_config(model_config, resolved)
+    if "SIAMESENORM_RECOMPUTE" in os.environ:  # the old switch: refuse it rather than ignore it
+        fail("SIAMESENORM_RECOMPUTE is gone; unset it and set model.recompute_cheap to true or false in the config "
+             "(or --model.recompute_cheap=false).")
     if getattr(model_config, "model_type", None) not in (None, resolved):
         log.warning("MODEL_TYPE=%s (from %s) overrides model.model_type=%s", resolved, source, model_config.model_type)
     log.debug("MODEL_TYPE=%s (from %s)", resolved, source)
     config = as_siamese_config(model_config, model_type=resolved)
     with forced_model_type(resolved):
-        return OLMo(config, init_params=init_params)
+        model = OLMo(config, init_params=init_params)
+    set_recompute(model, config.recompute_cheap)  # pre's norms (OLMo's block); the variants' blocks read the field
+    return model
 
 
 def num_params_from_config(model_config: ModelConfig, model_type: Optional[str] = None) -> int:

@@ -40,6 +40,9 @@ class SiameseTrainConfig(TrainConfig):
     """Before step 1, also check every token file's sha256 against its manifest (slow on large corpora)."""
     resume_on_new_data: bool = False
     """Resume even though the token files differ from the ones the run started with (data-fingerprint.json)."""
+    loss_chunk_tokens: Optional[int] = None
+    """The loss over this many tokens at a time, each chunk's fp32 logits recomputed in backward instead of kept
+    (siamesenorm/loss.py: the step's peak loses the full fp32 logits); null: OLMo's loss."""
 
 
 class RunError(OLMoConfigurationError):
@@ -250,6 +253,10 @@ def validate_run(cfg: SiameseTrainConfig) -> None:
     _check(cfg.max_grad_norm is None or cfg.max_grad_norm > 0,
            f"max_grad_norm must be > 0, or null for no clipping (got {cfg.max_grad_norm}).")
     _check(m.init_std > 0, f"model.init_std must be > 0 (got {m.init_std}).")
+    _check(cfg.loss_chunk_tokens is None or cfg.loss_chunk_tokens >= 1,
+           f"loss_chunk_tokens must be >= 1, or null for OLMo's loss (got {cfg.loss_chunk_tokens}).")
+    _check(cfg.loss_chunk_tokens is None or not cfg.fused_loss,
+           "loss_chunk_tokens and fused_loss are two replacements of the loss; set one of them.")
     problem = stability_problem(cfg.stability)
     _check(problem is None, problem or "")
     _check(cfg.global_train_batch_size >= 1 and cfg.device_train_microbatch_size >= 1,

@@ -56,6 +56,16 @@ class SiameseTrainer(Trainer):
     monitor: Optional[StabilityMonitor] = None
     record_info: Optional[Dict[str, Any]] = None  # the run's fixed facts; None: no run record (unit tests)
 
+    def __post_init__(self):
+        super().__post_init__()
+        chunk = getattr(self.cfg, "loss_chunk_tokens", None)
+        if chunk:
+            import functools
+
+            from .loss import chunked_cross_entropy_loss
+
+            self.loss_fn = functools.partial(chunked_cross_entropy_loss, chunk_tokens=int(chunk))
+
     # ---- checkpoints ---------------------------------------------------------------------------------------------
     def save_checkpoint(self, checkpoint_type=None):
         """OLMo's save; a full disk (or a file-size limit) becomes NoSpace, with the half-written folder removed so

@@ -26,17 +26,48 @@ from ..nn.topologies import DEPTH_SCALING_FORMS, depth_connection, depth_divisor
 from .spec import Knob, fail, knob
 
 __all__ = ["TopologyBlock", "ConnectedStreamsBlock", "TwoStreamBlock", "SIAMESE_KNOBS", "validate_siamese", "depth_scale",
-           "RECOMPUTE"]
+           "RECOMPUTE_DEFAULT", "recompute_call", "set_recompute"]
 
 KVCache = Optional[Tuple[torch.Tensor, torch.Tensor]]
 Norm = Callable[[torch.Tensor], torch.Tensor]
 
-#: Recompute the cheap parts of the variants' blocks in backward instead of saving their intermediates: every norm
-#: (which saves its input, the normalised tensor and the statistics; recomputed, only the input is kept, and the
-#: residual stream holds it anyway) and hc/mhc's width connections (the stream mixing). Exact: backward reruns
-#: the same ops, so losses and gradients are bit-identical. It cuts the multi-stream variants' activation memory
-#: (docs/performance.md); ``pre`` is OLMo's own block and is unaffected. SIAMESENORM_RECOMPUTE=0 turns it off.
-RECOMPUTE = os.environ.get("SIAMESENORM_RECOMPUTE", "1") != "0"
+#: ``model.recompute_cheap`` (a config field, per run): recompute the cheap parts of every block in backward
+#: instead of saving their intermediates: every norm (which saves its input, the normalised tensor and the
+#: statistics; recomputed, only the input is kept, and the residual stream holds it anyway), ``pre``'s two norms
+#: included, and hc/mhc's width connections (the stream mixing). Exact: backward reruns the same ops, so losses and
+#: gradients are bit-identical. It trades time (the norms run twice in eager) for activation memory
+#: (docs/performance.md). ``set_recompute`` changes it on a built model.
+RECOMPUTE_DEFAULT = True
+
+
+def recompute_call(fn: Callable, *args: torch.Tensor):
+    """``fn(*args)`` with its intermediates recomputed in backward instead of saved, where autograd records
+    (``fn`` must be deterministic: no dropout)."""
+    if torch.is_grad_enabled() and any(a.requires_grad for a in args):
+        return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
+    return fn(*args)
+
+
+def _recomputed_pre_norm(block: OLMoSequentialBlock, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    forward = type(norm).forward.__get__(norm)
+    if block._activation_checkpoint_fn is not None:  # OLMo's own checkpointing already wraps the norm
+        return forward(x)
+    return recompute_call(forward, x)
+
+
+def set_recompute(model: nn.Module, on: bool) -> None:
+    """Turn ``recompute_cheap`` on or off in every block of a built model (``pre``: OLMo's own block, whose two norms
+    get an instance-level forward that recomputes them; the state dict is unchanged)."""
+    for block in model.modules():
+        if isinstance(block, TopologyBlock):
+            block.recompute_cheap = on
+        elif isinstance(block, OLMoSequentialBlock):
+            for name in ("attn_norm", "ff_norm"):
+                norm = getattr(block, name)
+                if on:
+                    norm.forward = functools.partial(_recomputed_pre_norm, block, norm)
+                else:
+                    norm.__dict__.pop("forward", None)
 
 
 def depth_scale(config: ModelConfig, layer_id: int) -> float:
@@ -70,6 +101,7 @@ class TopologyBlock(OLMoSequentialBlock):
             delattr(self, name)  # no parameter DDP would see unused, no entry in the state dict
         self.is_first = layer_id == 0
         self.is_last = layer_id == config.n_layers - 1
+        self.recompute_cheap = bool(getattr(config, "recompute_cheap", RECOMPUTE_DEFAULT))
         self._captured: Optional[list] = None
 
     @classmethod
@@ -154,18 +186,11 @@ class TopologyBlock(OLMoSequentialBlock):
 
     def cheap(self, fn: Callable, *args: torch.Tensor):
         """``fn(*args)`` for the cheap parts (norms, stream fusion and mixing): in training recomputed in backward
-        (RECOMPUTE), or under OLMo's fine-grained activation checkpointing when that is on. The core's ``run``."""
+        (``recompute_cheap``), or under OLMo's fine-grained activation checkpointing when that is on. The core's
+        ``run``."""
         if self._activation_checkpoint_fn is not None:
             return self._activation_checkpoint_fn(fn, *args)
-        return self.recompute(fn, *args)
-
-    @staticmethod
-    def recompute(fn: Callable, *args: torch.Tensor):
-        """``fn(*args)``, its intermediates recomputed in backward instead of saved when RECOMPUTE is on and
-        autograd records (``fn`` must be deterministic: no dropout)."""
-        if RECOMPUTE and torch.is_grad_enabled() and any(a.requires_grad for a in args):
-            return checkpoint(fn, *args, use_reentrant=False, preserve_rng_state=False)
-        return fn(*args)
+        return recompute_call(fn, *args) if self.recompute_cheap else fn(*args)
 
     # ---- stacked streams --------------------------------------------------------------------------------
     def split_streams(self, x: torch.Tensor) -> List[torch.Tensor]:
