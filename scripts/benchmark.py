@@ -45,6 +45,14 @@ def main(argv=None) -> int:
                         "matmul FLOPs, bytes moved and kernels per layer and step, bf16 autocast, eager and (with --modes "
                         "compiled, the default) each block compiled by inductor (minutes a variant on 2 CPU cores), "
                         "and the estimated step time against pre on A100 / H100 / H200 (siamesenorm/costmodel.py)")
+    parser.add_argument("--memory-model", action="store_true",
+                        help="instead of timing: GiB per GPU of one step of the recipe at its microbatch under FSDP "
+                        "full shard (--gpus), bf16, by parts, recompute on and off and with whole-layer activation "
+                        "checkpointing, and which of A100-40GB / A100-80GB / H100-80GB each fits "
+                        "(siamesenorm/costmodel.py memory_per_gpu: a model on fake tensors, seconds on a CPU)")
+    parser.add_argument("--gpus", type=int, default=8, help="--memory-model: GPUs the state is sharded over (8)")
+    parser.add_argument("--loss-chunk-tokens", type=int, default=None,
+                        help="--memory-model: with the chunked loss (the config's loss_chunk_tokens)")
     parser.add_argument("--recompute-cost", action="store_true",
                         help="instead of the table: eager step time with recompute on and off, interleaved in one "
                         "process, as ratios to pre")
@@ -53,6 +61,25 @@ def main(argv=None) -> int:
     unknown = [t for t in types if t not in MODEL_TYPES]
     if unknown:
         parser.error(f"unknown MODEL_TYPE {unknown[0]!r}; valid: {', '.join(MODEL_TYPES)} or all")
+    if args.memory_model:
+        import json
+
+        from siamesenorm import costmodel
+        from siamesenorm.runconfig import load_config
+
+        cfg = load_config(args.recipe)
+        result = costmodel.memory_table(cfg.model, types, args.batch or cfg.device_train_microbatch_size, args.seq,
+                                        args.gpus, args.loss_chunk_tokens)
+        print(f"{args.recipe}: microbatch {result['microbatch']} x {result['seq_len']}, FSDP full shard over "
+              f"{args.gpus} GPUs, bf16, AdamW, loss {'chunked ' + str(args.loss_chunk_tokens) if args.loss_chunk_tokens else 'OLMo'}"
+              f"; fits = peak <= {1 - costmodel.MEMORY_HEADROOM:.0%} of the GPU's memory")
+        print(costmodel.memory_markdown(result))
+        if args.json:
+            from pathlib import Path
+
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+            print(f"wrote {args.json}")
+        return 0
     if args.cost_model:
         import dataclasses
         import json

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 from typing import Dict, Optional
 
@@ -350,3 +351,128 @@ def compiled_layer_cost(model_cfg, model_type: str, microbatch: int, seq_len: Op
         result[phase] = {"matmul_flops": 0, "bytes": int(round(a[phase].bytes + per_token * (real - t1))),
                          "kernels": a[phase].kernels}
     return result
+
+
+# ---- memory per GPU ------------------------------------------------------------------------------------------------
+#: Left free of a GPU's memory for the CUDA context, NCCL buffers and the caching allocator's fragmentation.
+MEMORY_HEADROOM = 0.10
+
+
+def _fake_saved_bytes(model_cfg, model_type: str, n_layers: int, microbatch: int, seq_len: int,
+                      recompute: bool, loss_chunk_tokens: Optional[int]) -> int:
+    """Bytes autograd keeps for backward after one forward and loss (bf16 parameters, bf16 autocast, fake tensors):
+    distinct storages, the parameters' left out, as OLMo's trainer computes the loss (the shifted logits copied)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from olmo.train import cross_entropy_loss
+
+    from .loss import chunked_cross_entropy_loss
+    from .model import build_model
+
+    cfg = dataclasses.replace(model_cfg, n_layers=n_layers, init_device="cpu", recompute_cheap=recompute)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        model = build_model(cfg, model_type, init_params=False)
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        kept: Dict[int, torch.Tensor] = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage._cdata not in params:
+                kept.setdefault(storage._cdata, t)  # held, so that no freed storage's address is reused
+            return t
+
+        ids = torch.zeros(microbatch, seq_len, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids).logits
+            flat = logits[:, :-1].contiguous().view(-1, logits.shape[-1])
+            labels = ids[:, 1:].reshape(-1)
+            if loss_chunk_tokens:
+                chunked_cross_entropy_loss(flat, labels, reduction="sum", chunk_tokens=loss_chunk_tokens)
+            else:
+                cross_entropy_loss(flat, labels, reduction="sum")
+        return sum(t.untyped_storage().nbytes() for t in kept.values())
+
+
+def memory_per_gpu(model_cfg, model_type: str, microbatch: int, seq_len: Optional[int] = None, gpus: int = 8,
+                   recompute: bool = True, loss_chunk_tokens: Optional[int] = None) -> Dict[str, float]:
+    """GiB per GPU of one training step under FSDP full shard over ``gpus`` GPUs, bf16 mixed precision, AdamW,
+    by parts (a model, not a measurement):
+
+    - ``state``: fp32 parameters, gradients and AdamW's two moments, sharded: 16 bytes x parameters / gpus;
+    - ``gathered``: bf16 parameters and gradients of the two largest FSDP units held whole at once (the unit being
+      computed and the one prefetched): 4 bytes x their parameters;
+    - ``activations``: what autograd keeps after the forward and loss (counted on fake tensors, eager, with
+      ``recompute`` as model.recompute_cheap sets it), and ``activations_checkpointed`` with OLMo's
+      ``activation_checkpointing: whole_layer`` (each block keeps its input; one block's activations are rebuilt
+      at a time, the loss's kept as they are);
+    - ``loss_backward``: the largest transient at the start of backward, the logits' gradient: fp32 gradient of
+      the log-softmax, its input's and the bf16 logits' (10 bytes x tokens x vocabulary), or with
+      ``loss_chunk_tokens`` the bf16 gradient plus one chunk's fp32 ones.
+    """
+    seq_len = seq_len or model_cfg.max_sequence_length
+    n = model_cfg.n_layers
+    tokens = microbatch * seq_len
+    vocab = model_cfg.embedding_size or model_cfg.vocab_size
+    saved = functools.partial(_fake_saved_bytes, model_cfg, model_type, microbatch=microbatch, seq_len=seq_len,
+                              recompute=recompute, loss_chunk_tokens=loss_chunk_tokens)
+    total = saved(n_layers=n)
+    block = saved(n_layers=3) - saved(n_layers=2)  # one middle block
+    outside = total - n * block  # embedding, loss and what the first and last blocks add
+    from .model import build_model
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = build_model(dataclasses.replace(model_cfg, init_device="cpu"), model_type, init_params=False)
+        n_params = sum(p.numel() for p in model.parameters())
+        units = sorted([sum(p.numel() for p in b.parameters()) for b in model.transformer.blocks]
+                       + [model.transformer.wte.weight.numel()], reverse=True)
+        streams = getattr(model.transformer.blocks[1 if n > 1 else 0], "n_streams", 1)
+    block_input = tokens * model_cfg.d_model * streams * 2  # bf16
+    gib = 1024 ** 3
+    loss_backward = (tokens * vocab * 10 if not loss_chunk_tokens
+                     else tokens * vocab * 2 + min(loss_chunk_tokens, tokens) * vocab * 8)
+    parts = {"state": 16 * n_params / gpus, "gathered": 4 * sum(units[:2]), "activations": total,
+             "activations_checkpointed": outside + n * block_input + block, "loss_backward": loss_backward}
+    result = {k: v / gib for k, v in parts.items()}
+    fixed = result["state"] + result["gathered"] + result["loss_backward"]
+    result["peak"] = fixed + result["activations"]
+    result["peak_checkpointed"] = fixed + result["activations_checkpointed"]
+    result["parameters"] = n_params
+    return result
+
+
+def fits(peak_gib: float, device: str) -> bool:
+    """Whether ``peak_gib`` fits ``device`` with MEMORY_HEADROOM left free."""
+    return peak_gib <= DEVICES[device]["memory_gib"] * (1 - MEMORY_HEADROOM)
+
+
+def memory_table(model_cfg, model_types, microbatch: int, seq_len: Optional[int] = None, gpus: int = 8,
+                 loss_chunk_tokens: Optional[int] = None) -> Dict:
+    """memory_per_gpu for every model type with recompute on and off, and which devices each peak fits."""
+    types = ["pre"] + [t for t in model_types if t != "pre"]
+    rows = {}
+    for mt in types:
+        rows[mt] = {("recompute" if on else "no_recompute"): memory_per_gpu(
+            model_cfg, mt, microbatch, seq_len, gpus, recompute=on, loss_chunk_tokens=loss_chunk_tokens)
+            for on in (True, False)}
+    return {"microbatch": microbatch, "seq_len": seq_len or model_cfg.max_sequence_length, "gpus": gpus,
+            "loss_chunk_tokens": loss_chunk_tokens, "headroom": MEMORY_HEADROOM, "rows": rows,
+            "devices": {d: DEVICES[d]["memory_gib"] for d in DEVICES}}
+
+
+def memory_markdown(result: Dict, devices=("a100-40gb", "a100-80gb", "h100-80gb")) -> str:
+    def where(peak):
+        return ", ".join(d for d in devices if fits(peak, d)) or "none"
+
+    lines = ["| MODEL_TYPE | activations GiB, recompute on / off | peak GiB, recompute on / off | fits (recompute on) "
+             "| fits (recompute off) | peak GiB, whole-layer checkpointing | fits (checkpointing) |",
+             "| --- | ---: | ---: | --- | --- | ---: | --- |"]
+    for mt, r in result["rows"].items():
+        on, off = r["recompute"], r["no_recompute"]
+        lines.append(f"| {mt} | {on['activations']:.1f} / {off['activations']:.1f} | {on['peak']:.1f} / "
+                     f"{off['peak']:.1f} | {where(on['peak'])} | {where(off['peak'])} | "
+                     f"{on['peak_checkpointed']:.1f} | {where(on['peak_checkpointed'])} |")
+    return "\n".join(lines)
