@@ -50,6 +50,9 @@ def main(argv=None) -> int:
                         "full shard (--gpus), bf16, by parts, recompute on and off and with whole-layer activation "
                         "checkpointing, and which of A100-40GB / A100-80GB / H100-80GB each fits "
                         "(siamesenorm/costmodel.py memory_per_gpu: a model on fake tensors, seconds on a CPU)")
+    parser.add_argument("--recompute", choices=["on", "off"], default=None,
+                        help="model.recompute_cheap on or off for the timing, --breakdown and --cost-model "
+                        "(default: the recipe's)")
     parser.add_argument("--gpus", type=int, default=8, help="--memory-model: GPUs the state is sharded over (8)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None,
                         help="--memory-model: with the chunked loss (the config's loss_chunk_tokens)")
@@ -88,15 +91,17 @@ def main(argv=None) -> int:
         from siamesenorm.runconfig import load_config
 
         cfg = load_config(args.recipe)
-        model_cfg = dataclasses.replace(cfg.model, **{k: v for k, v in (("n_layers", args.layers),
-                                        ("d_model", args.d_model)) if v is not None})
+        model_cfg = dataclasses.replace(cfg.model, **{k: v for k, v in (
+            ("n_layers", args.layers), ("d_model", args.d_model),
+            ("recompute_cheap", None if args.recompute is None else args.recompute == "on")) if v is not None})
         compiled = "compiled" in args.modes
         result = costmodel.table(model_cfg, types, args.batch or cfg.device_train_microbatch_size, args.seq,
                                  compiled=compiled,
                                  progress=lambda mt: print(f"counting {mt}", file=sys.stderr, flush=True))
         for mode in result["modes"]:
             print(f"\n{args.recipe}: {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, microbatch "
-                  f"{result['microbatch']} x {result['seq_len']}, bf16 autocast, {mode}, forward + backward; time: "
+                  f"{result['microbatch']} x {result['seq_len']}, bf16 autocast, {mode}, recompute "
+                  f"{'on' if model_cfg.recompute_cheap else 'off'}, forward + backward; time: "
                   f"matmul at {costmodel.MATMUL_EFFICIENCY:.0%} of peak + bytes at "
                   f"{costmodel.BANDWIDTH_EFFICIENCY:.0%} of HBM bandwidth")
             print(costmodel.to_markdown(result, mode))
@@ -112,7 +117,8 @@ def main(argv=None) -> int:
     settings = BenchSettings(recipe=args.recipe, model_types=types, layers=args.layers, d_model=args.d_model, vocab=args.vocab,
                              batch=args.batch, seq=args.seq, repeats=args.repeats,
                              steps_per_timing=args.steps_per_timing, modes=args.modes,
-                             group_size=args.group_size)
+                             group_size=args.group_size,
+                             recompute=None if args.recompute is None else args.recompute == "on")
     if args.recompute_cost:
         for mt, r in recompute_cost(settings).items():
             print(f"{mt:15s} recompute on {r['on']:.3f}  off {r['off']:.3f}  (step time / pre's, recompute on)")

@@ -51,6 +51,7 @@ class BenchSettings:
     group_size: int = 0  # variants held in memory at once besides pre (0: all); each group has its own pre
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     seed: int = 0
+    recompute: Optional[bool] = None  # model.recompute_cheap; None: the recipe's
 
 
 def model_config(settings: BenchSettings):
@@ -65,6 +66,8 @@ def model_config(settings: BenchSettings):
     if settings.vocab is not None:
         cfg.vocab_size = cfg.embedding_size = settings.vocab
         cfg.eos_token_id, cfg.pad_token_id = 0, min(cfg.pad_token_id, settings.vocab - 1)
+    if settings.recompute is not None:
+        cfg.recompute_cheap = settings.recompute
     cfg.max_sequence_length = max(cfg.max_sequence_length, settings.seq)
     cfg.init_device = settings.device
     cfg.flash_attention = False
