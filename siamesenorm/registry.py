@@ -18,7 +18,7 @@ from olmo.model import BufferCache, OLMoBlock
 
 from .config import MODEL_TYPES, resolve_model_type, validate_model_config
 from .variants import VARIANTS
-from .variants._block import TopologyBlock
+from .variants._block import RECOMPUTE_DEFAULT, TopologyBlock, set_recompute
 
 __all__ = ["BLOCKS", "block_class", "block_for", "install_hook", "forced_model_type"]
 
@@ -60,7 +60,11 @@ def block_for(layer_id: int, config: ModelConfig, cache: BufferCache) -> Optiona
 
 def _hooked_build(cls, layer_id: int, config: ModelConfig, cache: BufferCache) -> OLMoBlock:
     block = block_for(layer_id, config, cache)
-    return block if block is not None else _olmo_build(cls, layer_id, config, cache)
+    if block is not None:
+        return block
+    block = _olmo_build(cls, layer_id, config, cache)  # pre: OLMo's own block, its norms per model.recompute_cheap
+    set_recompute(block, bool(getattr(config, "recompute_cheap", RECOMPUTE_DEFAULT)))
+    return block
 
 
 def install_hook() -> None:
