@@ -110,3 +110,18 @@ def test_recompute_cost_times_both_settings_against_pre():
     result = recompute_cost(settings)
     assert set(result) == {"pre", "hybrid_pre"} and result["pre"]["on"] == 1.0
     assert all(v > 0 for r in result.values() for v in r.values())
+
+
+def test_pre_built_by_olmos_own_factory_follows_the_field():
+    """OLMo(config) directly (OLMo's scripts, the HF wrapper) builds pre's blocks through OLMo's factory; its two
+    norms recompute exactly when model.recompute_cheap says so, and its state dict is OLMo's."""
+    from olmo.model import OLMo
+
+    from siamesenorm.config import as_siamese_config
+
+    for on in (True, False):
+        model = OLMo(as_siamese_config(tiny_config(recompute_cheap=on), model_type="pre"))
+        block = model.transformer.blocks[0]
+        assert type(block).__name__ == "OLMoSequentialBlock"
+        assert ("forward" in block.attn_norm.__dict__) is on and ("forward" in block.ff_norm.__dict__) is on
+        assert not any("forward" in k for k in model.state_dict())
