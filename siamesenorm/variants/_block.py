@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from typing import Callable, List, Optional, Tuple
 
 import torch
