@@ -29,7 +29,7 @@ from omegaconf import OmegaConf as om
 
 from .checkpoints import allow_checkpoint_types
 from .console import detach_run_logs
-from .config import validate_model_config
+from .config import MODEL_TYPES, resolve_model_type, validate_model_config
 from .model import build_model, num_params_from_config
 from .records import EXIT_DIVERGED, RECORD_NAME, Diverged, StabilityMonitor, config_hash, recipe_hash, variant_knobs
 from .runconfig import (
@@ -138,7 +138,9 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
     validate_run(cfg)  # a bad value is refused before the folder is even locked
     check_batch_split(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or model
     check_data(cfg)  # the data do not depend on the folder: a missing file is said before the folder is touched
-    lead = os.environ.get("RANK", "0") == "0"  # the folder's lock is rank 0's; the other ranks follow it
+    lead = os.environ.get("RANK", "0") == "0"
+    if lead:
+        warn_gpu_recipe_on_cpu(cfg, config_path)  # the folder's lock is rank 0's; the other ranks follow it
     with hold_run_folder(cfg.save_folder) if lead else contextlib.nullcontext():
         model_type, source, load_path, action = prepare(cfg)
         if action == "done":
@@ -155,6 +157,25 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
             detach_run_logs()
             if launched["RANK"] is None:  # not under torchrun: undo the group of one made here, so that a later
                 _end_own_group(launched)   # run in this process (or a child it launches) starts clean
+
+
+#: Parameters above which a recipe is taken for a GPU one when there is no GPU (the CPU recipes are 1-30M).
+GPU_RECIPE_PARAMETERS = 100_000_000
+
+
+def warn_gpu_recipe_on_cpu(cfg: SiameseTrainConfig, config_path: str) -> None:
+    """One warning line before minutes of silent model building: a GPU-sized recipe on a machine without CUDA."""
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    model_type = resolve_model_type(cfg.model)[0]
+    n = num_params_from_config(cfg.model, model_type if model_type in MODEL_TYPES else "pre")  # a bad one: said later
+    if n >= GPU_RECIPE_PARAMETERS:
+        log.warning("no GPU here: %s is a GPU recipe (%s parameters; precision %s, %s); on this CPU building the "
+                    "model alone takes minutes and a step far longer. Check a launch first with: python "
+                    "scripts/preflight.py %s", config_path, f"{n:,d}", cfg.precision, cfg.distributed_strategy,
+                    config_path)
 
 
 QUIET_DIVERGENCE = "SIAMESENORM_DIVERGED_EXIT_0"

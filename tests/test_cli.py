@@ -14,7 +14,9 @@ import pytest
 from siamesenorm.config import MODEL_TYPES
 
 ROOT = Path(__file__).resolve().parents[1]
-SCRIPTS = sorted(p.name for p in (ROOT / "scripts").glob("*.py") if p.name != "launch.py")
+SCRIPTS = sorted(str(p.relative_to(ROOT / "scripts")) for p in [*(ROOT / "scripts").glob("*.py"),
+                                                                *(ROOT / "scripts").glob("*/*.py")]
+                 if p.name != "launch.py")
 
 
 class _Parser(Exception):

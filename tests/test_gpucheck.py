@@ -1,0 +1,28 @@
+"""scripts/gpu_check.py's code path on the CPU with the tiny recipe: training, stop-and-resume, generation, export and
+the preflight's timed run end in a report that says what ran and what failed."""
+
+import json
+import runpy
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_gpu_check_on_the_cpu_with_the_tiny_recipe(tmp_path):
+    main = runpy.run_path(str(ROOT / "scripts" / "gpu_check.py"), run_name="gpu_check")["main"]
+    report = tmp_path / "report.md"
+    code = main(["--recipe", "configs/tiny-cpu.yaml", "--variants", "hybrid_pre", "--exact", "hybrid_pre",
+                 "--steps", "4", "--global-batch", "0", "--timed-steps", "2", "--work", str(tmp_path / "work"),
+                 "--report", str(report)])
+    result = json.loads(report.with_suffix(".json").read_text())
+    assert code == 0 and result["failures"] == [], result["failures"]
+    run = result["runs"]["hybrid_pre"]
+    assert run["code"] == 0 and sorted(map(int, run["losses"])) == [1, 2, 3, 4] and run["tokens_per_s"] > 0
+    assert result["resume"]["hybrid_pre"] == {"codes": [0, 0], "steps_compared": 4, "max_abs_diff": 0.0,
+                                              "exact": True}
+    gen = result["generation"]
+    assert gen["same_text"] and gen["checkpoint"]["stdout"].strip().startswith("It is a truth universally")
+    assert result["preflight"]["timed_run"]["tokens_per_s"] > 0
+    text = report.read_text()
+    assert "| hybrid_pre | 0, 0 | 4 | 0 | yes |" in text and "## Failures\n\nnone" in text
+    assert "python scripts/gpu_check.py --recipe configs/tiny-cpu.yaml" in text
