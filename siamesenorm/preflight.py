@@ -221,7 +221,7 @@ def _disk_check(cfg: SiameseTrainConfig, n_params: int, max_steps: Optional[int]
     return [Check("disk", "ok", detail)]
 
 
-def _environment_checks(cfg: SiameseTrainConfig, gpu: Optional[str], world: int) -> List[Check]:
+def _environment_checks(cfg: SiameseTrainConfig, gpu: Optional[str], world: int, nodes: int) -> List[Check]:
     import torch
     import torch.distributed as dist
 
@@ -242,6 +242,11 @@ def _environment_checks(cfg: SiameseTrainConfig, gpu: Optional[str], world: int)
         nccl = dist.is_available() and dist.is_nccl_available()
         checks.append(Check("NCCL", "ok" if nccl else ("FAIL" if world > 1 else "warn"),
                             "available" if nccl else "torch has no NCCL: install a CUDA build of torch"))
+    if nodes > 1:
+        shared = bool(os.environ.get("OLMO_SHARED_FS"))
+        checks.append(Check("shared save folder", "ok" if shared else "warn", "OLMO_SHARED_FS=1" if shared else
+                            f"{nodes} nodes without OLMO_SHARED_FS=1: set it when the save folder is on a filesystem "
+                            "every node sees (the SLURM script from scripts/slurm/make_sbatch.py does)"))
     if cfg.model.flash_attention:
         found = importlib.util.find_spec("flash_attn") is not None
         checks.append(Check("flash-attn", "ok" if found else "FAIL", "installed" if found else
@@ -279,7 +284,7 @@ def preflight(cfg: SiameseTrainConfig, model_type: str, nodes: int = 1, gpus_per
     budget = budget_tokens(cfg, corpus)
     per_step = cfg.global_train_batch_size * cfg.model.max_sequence_length
     max_steps = None if budget is None else math.ceil(budget / per_step)
-    checks += _environment_checks(cfg, gpu, world)
+    checks += _environment_checks(cfg, gpu, world, nodes)
     checks += _data_checks(cfg, world, max_steps, corpus, budget)
     checks.append(_tokenizer_check(cfg))
 

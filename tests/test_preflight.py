@@ -97,7 +97,9 @@ def test_disk_save_folder_flash_attn_and_wandb(austen_prepared, tmp_path, monkey
     assert _status(checks)["save folder"] == "FAIL"
 
 
-def test_olmo_1b_on_a100_40gb_does_not_fit_and_names_the_fix_on_4_nodes_of_h100_it_fits(tmp_path, capsys):
+def test_olmo_1b_on_a100_40gb_does_not_fit_and_names_the_fix_on_4_nodes_of_h100_it_fits(tmp_path, capsys,
+                                                                                       monkeypatch):
+    monkeypatch.delenv("OLMO_SHARED_FS", raising=False)
     main = runpy.run_path(str(ROOT / "scripts" / "preflight.py"), run_name="preflight")["main"]
     out = tmp_path / "p.json"
     code = main([OLMO_1B, "--gpu", "a100-40gb", "--json", str(out), f"--save_folder={tmp_path / 'r'}"])
@@ -115,6 +117,7 @@ def test_olmo_1b_on_a100_40gb_does_not_fit_and_names_the_fix_on_4_nodes_of_h100_
     result = json.loads(out.read_text())
     checks = {c["name"]: c for c in result["checks"]}
     assert checks["memory"]["status"] == "ok" and checks["batch"]["status"] == "ok"
+    assert checks["shared save folder"]["status"] == "warn"  # 4 nodes, OLMO_SHARED_FS unset
     est4 = result["estimates"]
     assert est4["gpus"] == 32 and est4["sharded_over"] == 32
     # 4x the GPUs: a quarter of the time, the states a quarter the size
