@@ -133,7 +133,8 @@ def prepare_data_main(argv=None) -> None:
 def export_hf_main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description="Export a run or checkpoint of any MODEL_TYPE as a Hugging Face transformers folder "
-        "(config.json, model.safetensors, tokenizer). Loading it needs `import siamesenorm.hf` first.",
+        "(config.json, model.safetensors, tokenizer). pre becomes a plain Llama that transformers loads alone; "
+        "every other MODEL_TYPE needs `import siamesenorm.hf` first.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="""Examples:
   python scripts/export_hf.py runs/quickstart-pre exports/quickstart-pre
@@ -150,6 +151,10 @@ Then, in Python:
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
                         help="dtype of the saved weights (default float32, as trained on CPU)")
     parser.add_argument("--overwrite", action="store_true", help="replace an earlier export in OUTPUT")
+    parser.add_argument("--format", choices=["auto", "siamesenorm", "llama"], default="auto",
+                        help="llama: a plain transformers LlamaForCausalLM folder, no remote code (pre only: a "
+                        "Pre-Norm OLMo is exactly a Llama; refused for anything else); siamesenorm: any MODEL_TYPE, "
+                        "loading needs this package; auto (default): llama when exact, else siamesenorm")
     args = parser.parse_args(argv)
     _logging()
     import torch
@@ -157,17 +162,22 @@ Then, in Python:
     from transformers.utils import logging as hf_logging
 
     from .checkpoints import UnsafeCheckpoint
-    from .hf import export
+    from .hf import export, is_export
 
     hf_logging.disable_progress_bar()  # one-file models: per-shard progress bars only add console lines
 
     try:
-        folder = export(args.source, args.output, overwrite=args.overwrite, dtype=getattr(torch, args.dtype))
-    except (FileNotFoundError, FileExistsError, UnsafeCheckpoint, OLMoConfigurationError) as e:
+        folder = export(args.source, args.output, overwrite=args.overwrite, dtype=getattr(torch, args.dtype),
+                        format=args.format)
+    except (FileNotFoundError, FileExistsError, ValueError, UnsafeCheckpoint, OLMoConfigurationError) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    print(f"exported {folder} to {args.output}; load it with: import siamesenorm.hf; "
-          f"AutoModelForCausalLM.from_pretrained({args.output!r})")
+    if is_export(args.output):
+        print(f"exported {folder} to {args.output}; load it with: import siamesenorm.hf; "
+              f"AutoModelForCausalLM.from_pretrained({args.output!r})")
+    else:
+        print(f"exported {folder} to {args.output} as a Llama (LlamaForCausalLM; transformers alone loads it): "
+              f"AutoModelForCausalLM.from_pretrained({args.output!r})")
 
 
 def generate_main(argv=None) -> None:

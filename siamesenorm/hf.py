@@ -12,6 +12,10 @@ the model side needs this package installed (it builds the block through ai2-olm
 
 The model is OLMo's own ``olmo.model.OLMo`` inside a thin ``PreTrainedModel``: the logits are OLMo's; the key/value
 cache is transformers' ``DynamicCache``, converted to OLMo's per-layer (key, value) pairs at each call.
+
+A ``pre`` model is exported by default as a plain ``LlamaForCausalLM`` folder instead (``llama_state_dict``: the
+fused q/k/v and SwiGLU projections split, the norm scales as they are), which transformers loads alone; anything
+that Llama cannot compute exactly is refused in one line (``llama_refusal``), never exported approximately.
 """
 
 from __future__ import annotations
@@ -44,7 +48,15 @@ log = logging.getLogger(__name__)
 HF_MODEL_TYPE = "siamesenorm_olmo"
 
 __all__ = ["HF_MODEL_TYPE", "SiameseOlmoConfig", "SiameseOlmoForCausalLM", "export", "load_for_generation",
-           "is_export", "run_tokenizer"]
+           "is_export", "run_tokenizer", "llama_refusal", "llama_config", "llama_state_dict"]
+
+#: What an OLMo model must be for transformers' Llama to compute exactly its logits: Pre-Norm blocks with RMSNorm
+#: scales, SwiGLU, RoPE, no biases, no QK norm or clipping, no embedding norm, plain logits. field -> what it may be.
+_LLAMA_FIELDS = {"layer_norm_type": ("rms",), "layer_norm_with_affine": (True,), "bias_for_layer_norm": (None, False),
+                 "include_bias": (False,), "activation_type": ("swiglu",), "rope": (True,), "alibi": (False,),
+                 "attention_layer_norm": (False,), "clip_qkv": (None,), "block_type": ("sequential",),
+                 "scale_logits": (False,), "embedding_layer_norm": (False,), "norm_after": (False,),
+                 "multi_query_attention": (None, False)}
 
 
 class SiameseOlmoConfig(PretrainedConfig):
@@ -156,7 +168,7 @@ def from_run(path: Union[str, Path]) -> tuple[SiameseOlmoForCausalLM, PreTrained
 
 def load_for_generation(path: Union[str, Path]) -> tuple[SiameseOlmoForCausalLM, PreTrainedTokenizerFast]:
     """(model, tokenizer) from an exported folder, a run folder or a checkpoint folder."""
-    if is_export(path):
+    if is_export(path) or _is_llama_export(Path(path)):
         from transformers import AutoTokenizer
 
         return AutoModelForCausalLM.from_pretrained(str(path)).eval(), AutoTokenizer.from_pretrained(str(path))
@@ -164,24 +176,120 @@ def load_for_generation(path: Union[str, Path]) -> tuple[SiameseOlmoForCausalLM,
     return model, tokenizer
 
 
+def llama_refusal(olmo: Dict[str, Any]) -> Optional[str]:
+    """Why the OLMo model config ``olmo`` (a dict of its fields) cannot be a Llama exactly, or None if it can."""
+    variant = olmo.get("model_type") or "pre"
+    if variant != "pre":
+        return (f"MODEL_TYPE {variant} is not a Llama (only pre is: Pre-Norm blocks); export it with "
+                "--format siamesenorm")
+    for name, allowed in _LLAMA_FIELDS.items():
+        value = getattr(olmo.get(name, allowed[0]), "value", olmo.get(name, allowed[0]))  # enums by their string
+        if value not in allowed:
+            return (f"model.{name}={value!r} has no exact Llama equivalent (Llama needs {allowed[0]!r}); export it "
+                    "with --format siamesenorm")
+    return None
+
+
+def llama_config(olmo: Dict[str, Any], dtype: torch.dtype = torch.float32):
+    """transformers' LlamaConfig of the Pre-Norm OLMo model config ``olmo``."""
+    from transformers import LlamaConfig
+
+    d, heads = olmo["d_model"], olmo["n_heads"]
+    hidden = olmo.get("mlp_hidden_size") or olmo["mlp_ratio"] * d  # SwiGLU's ff_proj width; half of it gates
+    return LlamaConfig(vocab_size=olmo.get("embedding_size") or olmo["vocab_size"], hidden_size=d,
+                       intermediate_size=hidden // 2, num_hidden_layers=olmo["n_layers"], num_attention_heads=heads,
+                       num_key_value_heads=olmo.get("n_kv_heads") or heads, hidden_act="silu",
+                       max_position_embeddings=olmo["max_sequence_length"], rms_norm_eps=olmo["layer_norm_eps"],
+                       rope_theta=float(olmo.get("rope_theta", 10000)), attention_bias=False, mlp_bias=False,
+                       tie_word_embeddings=bool(olmo.get("weight_tying")), eos_token_id=olmo.get("eos_token_id"),
+                       pad_token_id=olmo.get("pad_token_id"), bos_token_id=None, torch_dtype=dtype)
+
+
+def llama_state_dict(olmo_state: Dict[str, torch.Tensor], olmo: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """OLMo's Pre-Norm parameters under Llama's names: att_proj split into q/k/v, ff_proj into up (its first half,
+    OLMo's SwiGLU multiplies it) and gate (its second half, through SiLU), the norm scales as they are."""
+    d, heads = olmo["d_model"], olmo["n_heads"]
+    kv = (olmo.get("n_kv_heads") or heads) * (d // heads)
+    out = {"model.embed_tokens.weight": olmo_state["transformer.wte.weight"],
+           "model.norm.weight": olmo_state["transformer.ln_f.weight"]}
+    for i in range(olmo["n_layers"]):
+        b, L = f"transformer.blocks.{i}.", f"model.layers.{i}."
+        q, k, v = olmo_state[b + "att_proj.weight"].split((d, kv, kv), dim=0)
+        up, gate = olmo_state[b + "ff_proj.weight"].chunk(2, dim=0)
+        out.update({L + "self_attn.q_proj.weight": q, L + "self_attn.k_proj.weight": k,
+                    L + "self_attn.v_proj.weight": v, L + "self_attn.o_proj.weight": olmo_state[b + "attn_out.weight"],
+                    L + "mlp.up_proj.weight": up, L + "mlp.gate_proj.weight": gate,
+                    L + "mlp.down_proj.weight": olmo_state[b + "ff_out.weight"],
+                    L + "input_layernorm.weight": olmo_state[b + "attn_norm.weight"],
+                    L + "post_attention_layernorm.weight": olmo_state[b + "ff_norm.weight"]})
+    if not olmo.get("weight_tying"):
+        out["lm_head.weight"] = olmo_state["transformer.ff_out.weight"]
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+def _is_llama_export(path: Path) -> bool:
+    config = path / "config.json"
+    return config.is_file() and json.loads(config.read_text()).get("model_type") == "llama" and \
+        (path / "README.md").is_file() and "siamesenorm" in (path / "README.md").read_text()
+
+
 def export(path: Union[str, Path], out: Union[str, Path], overwrite: bool = False,
-           dtype: Optional[torch.dtype] = None) -> Path:
+           dtype: Optional[torch.dtype] = None, format: str = "auto") -> Path:
     """Write a transformers folder for the run or checkpoint at ``path``; returns the checkpoint it came from.
-    An existing non-empty ``out`` is refused unless ``overwrite``."""
+    ``format``: ``siamesenorm`` (any MODEL_TYPE; loading needs this package), ``llama`` (a plain
+    ``LlamaForCausalLM`` folder: pre only, refused in one line otherwise) or ``auto`` (llama when exact, else
+    siamesenorm). An existing non-empty ``out`` is refused unless ``overwrite``."""
+    if format not in ("auto", "siamesenorm", "llama"):
+        raise ValueError(f"format {format!r}: use auto, siamesenorm or llama")
     out = Path(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it, or another folder.")
-        if not is_export(out):
+        if not (is_export(out) or _is_llama_export(out)):
             raise FileExistsError(f"{out} is not an earlier export (no siamesenorm config.json); refusing to delete it.")
-        shutil.rmtree(out)
     model, tokenizer, folder = from_run(path)
+    source_config = model.config
+    refusal = llama_refusal(source_config.olmo)
+    if format == "llama" and refusal:
+        raise ValueError(refusal)
+    as_llama = format == "llama" or (format == "auto" and refusal is None)
+    if out.exists():
+        shutil.rmtree(out)
+    if as_llama:
+        from transformers import LlamaForCausalLM
+
+        olmo = model.config.olmo
+        config = llama_config(olmo, dtype or torch.float32)
+        llama = LlamaForCausalLM(config)
+        missing, unexpected = llama.load_state_dict(llama_state_dict(model.model.state_dict(), olmo), strict=False)
+        missing = [k for k in missing if not (config.tie_word_embeddings and k == "lm_head.weight")]
+        if missing or unexpected:
+            raise RuntimeError(f"Llama conversion left keys unmatched: missing {missing}, unexpected {unexpected}")
+        llama.generation_config = GenerationConfig(eos_token_id=olmo.get("eos_token_id"),
+                                                   pad_token_id=olmo.get("pad_token_id"))
+        model = llama.eval()
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
-    (out / "README.md").write_text(_model_card(model.config, folder))
+    (out / "README.md").write_text((_llama_card if as_llama else _model_card)(source_config, folder))
     return folder
+
+
+def _llama_card(config: SiameseOlmoConfig, source: Path) -> str:
+    return f"""# OLMo model, MODEL_TYPE `pre` ({config.num_hidden_layers} layers, d_model {config.hidden_size}), as Llama
+
+Exported from `{source}` by siamesenorm's `scripts/export_hf.py --format llama`. A Pre-Norm OLMo (RMSNorm with
+scales, SwiGLU, RoPE, no biases) is exactly transformers' `LlamaForCausalLM`: the fused attention projection split
+into q/k/v, the fused MLP input into up (first half) and gate (second half), the norm scales as they were. No
+remote code; it loads with transformers alone (and in any stack that serves Llama):
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
+```
+"""
 
 
 def _model_card(config: SiameseOlmoConfig, source: Path) -> str:

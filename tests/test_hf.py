@@ -47,7 +47,7 @@ def test_export_loads_with_auto_classes_and_matches_olmo(tmp_path, monkeypatch, 
 
     run = trained_run(tmp_path, model_type, monkeypatch)
     out = tmp_path / "export"
-    export(run, out)
+    export(run, out, format="siamesenorm")  # every MODEL_TYPE, pre too (whose default is a Llama folder)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "siamesenorm_olmo" and config["olmo"]["model_type"] == model_type
     assert (out / "model.safetensors").is_file()
@@ -107,3 +107,76 @@ def test_generate_script_from_run_and_from_export_agree(tmp_path, monkeypatch, a
                              cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert sampled.returncode == 0, sampled.stderr[-3000:]
     assert sampled.stdout.count("---") == 2
+
+
+# Loads an export in a Python where neither siamesenorm nor olmo can be imported: transformers alone.
+_TRANSFORMERS_ONLY = """
+import importlib.abc, json, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("siamesenorm", "olmo", "olmo_data", "olmo_core"):
+            raise ImportError(f"{name} is hidden in this test")
+sys.meta_path.insert(0, Hide())
+import torch
+from transformers import AutoModelForCausalLM
+folder, ids = sys.argv[1], json.loads(sys.argv[2])
+model = AutoModelForCausalLM.from_pretrained(folder).eval()
+with torch.no_grad():
+    ids = torch.tensor([ids])
+    logits = model(ids).logits
+    greedy = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
+torch.save({"logits": logits, "greedy": greedy, "class": type(model).__name__,
+            "hidden": [m for m in sys.modules if m.split(".")[0] in ("siamesenorm", "olmo")]}, sys.argv[3])
+"""
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_pre_exports_as_a_llama_that_transformers_alone_loads_with_olmos_logits(tmp_path, monkeypatch,
+                                                                               austen_prepared, tied):
+    from siamesenorm.checkpoints import load_model
+    from siamesenorm.hf import export
+
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setenv("MODEL_TYPE", "pre")
+    run = tmp_path / "run-pre"
+    from siamesenorm.train import main
+
+    assert main(str(TINY), SMALL + [f"--save_folder={run}", f"--model.weight_tying={str(tied).lower()}"]) == 0
+    out = tmp_path / "llama"
+    export(run, out)  # the default for pre
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == "llama" and config["architectures"] == ["LlamaForCausalLM"]
+    assert "auto_map" not in config and config["tie_word_embeddings"] is tied
+
+    olmo_model, _ = load_model(run)
+    ids = [5, 17, 99, 3, 250, 1024, 7, 42]
+    result = tmp_path / "result.pt"
+    proc = subprocess.run([sys.executable, "-c", _TRANSFORMERS_ONLY, str(out), json.dumps(ids), str(result)],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(result)
+    assert got["class"] == "LlamaForCausalLM" and got["hidden"] == []
+    with torch.no_grad():
+        reference = olmo_model(torch.tensor([ids])).logits
+        greedy = greedy_olmo(olmo_model, torch.tensor([ids]), 8)
+    assert got["logits"].shape == reference.shape
+    assert (got["logits"] - reference).abs().max().item() <= 1e-5
+    assert got["greedy"].tolist() == greedy.tolist()
+
+
+def test_llama_format_is_refused_in_one_line_where_it_would_not_be_exact(tmp_path, monkeypatch, austen_prepared):
+    from siamesenorm.hf import export, llama_refusal
+
+    run = trained_run(tmp_path, "hybrid_pre", monkeypatch)
+    with pytest.raises(ValueError, match="MODEL_TYPE hybrid_pre is not a Llama .* --format siamesenorm"):
+        export(run, tmp_path / "x", format="llama")
+    assert not (tmp_path / "x").exists()
+    export(run, tmp_path / "auto")  # auto: not a Llama, so the siamesenorm folder
+    assert json.loads((tmp_path / "auto" / "config.json").read_text())["model_type"] == "siamesenorm_olmo"
+    base = {"model_type": "pre", "layer_norm_type": "rms", "layer_norm_with_affine": True, "include_bias": False,
+            "activation_type": "swiglu", "rope": True}
+    assert llama_refusal(base) is None
+    for change in ({"attention_layer_norm": True}, {"include_bias": True}, {"layer_norm_type": "default"},
+                   {"clip_qkv": 8.0}, {"activation_type": "gelu"}, {"rope": False}):
+        line = llama_refusal({**base, **change})
+        assert line and f"model.{next(iter(change))}=" in line and "\n" not in line
