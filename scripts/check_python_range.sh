@@ -4,6 +4,8 @@
 # version; requires-python should admit exactly the versions that print ok. Needs network access to PyPI.
 #   bash scripts/check_python_range.sh
 set -uo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then sed -n '2,5p' "$0" | sed 's/^# \{0,1\}//'; exit 0; fi
+if [ -n "${1:-}" ]; then echo "error: unexpected argument $1; usage: bash scripts/check_python_range.sh" >&2; exit 2; fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PY="${PYTHON:-python3}"
 mapfile -t DEPS < <("$PY" -c "import tomllib,sys; [print(d) for d in tomllib.load(open(sys.argv[1],'rb'))['project']['dependencies']]" "$ROOT/pyproject.toml")

@@ -3,11 +3,16 @@
 # minutes on 2 cores), then say where the results are and what to run next.
 #   Usage: bash scripts/quickstart.sh [MODEL_TYPE]      (default: $MODEL_TYPE if set, else pre)
 set -euo pipefail
+case "${1:-}" in
+  -h|--help) sed -n '2,4p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+  -*) echo "error: unknown option $1; usage: bash scripts/quickstart.sh [MODEL_TYPE]" >&2; exit 2 ;;
+esac
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
 source scripts/setup_env.sh
 if [ -n "${1:-}" ]; then export MODEL_TYPE="$1"; fi
 NAME="${MODEL_TYPE:-pre}"
+if [ "$NAME" = hybrid_pre ]; then OTHER=pre; OTHER_WHAT="Pre-Norm"; else OTHER=hybrid_pre; OTHER_WHAT="SiameseNorm"; fi
 DATA=data/prepared/austen-2k
 if [ ! -f "$DATA/manifest.json" ]; then
   python scripts/prepare_data.py data/austen.jsonl.gz --tokenizer data/tokenizer-austen-2k.json \
@@ -23,6 +28,6 @@ Next:
   python scripts/generate.py $RUN --prompt "It is a truth universally acknowledged"
   python scripts/export_hf.py $RUN exports/quickstart-$NAME      # a Hugging Face transformers folder
   python scripts/analyze.py loss-curves $RUN --output analysis/quickstart-$NAME
-  bash scripts/quickstart.sh hybrid_pre                            # the same run with SiameseNorm
+  bash scripts/quickstart.sh $OTHER                                # the same run with $OTHER_WHAT
   python scripts/make_tables.py runs/                              # Table 1 from every run under runs/
 NEXT

@@ -76,7 +76,11 @@ SiameseModelConfig.__doc__ = (
 def validate_model_config(config: ModelConfig, model_type: str) -> None:
     """Fail with one sentence that says what to change when the config cannot build ``model_type``."""
     if model_type not in VARIANTS:
-        fail(f"Unknown MODEL_TYPE {model_type!r}; valid values are: {', '.join(MODEL_TYPES)}")
+        import difflib
+
+        close = difflib.get_close_matches(str(model_type).lower(), MODEL_TYPES, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        fail(f"Unknown MODEL_TYPE {model_type!r}; {hint}valid values are: {', '.join(MODEL_TYPES)}")
     if model_type == "pre":
         return
     block_type = getattr(config, "block_type", BlockType.sequential)

@@ -103,8 +103,18 @@ def _num(value: Optional[float], digits: int = 4) -> str:
     return f"{value:.{digits}f}"
 
 
-def step_line(step: int, max_steps: int, metrics: Dict[str, float]) -> str:
-    """One line for a logged training step: loss, gradient norm, learning rate, throughput, spike counts."""
+def duration(seconds: float) -> str:
+    """1:02:03 style (hours:minutes:seconds), days spelled out past 48 hours."""
+    seconds = int(round(seconds))
+    if seconds >= 48 * 3600:
+        return f"{seconds / 86400:.1f} days"
+    return f"{seconds // 3600}:{seconds % 3600 // 60:02d}:{seconds % 60:02d}"
+
+
+def step_line(step: int, max_steps: int, metrics: Dict[str, float], elapsed: Optional[float] = None,
+              eta: Optional[float] = None) -> str:
+    """One line for a logged training step: loss, gradient norm, learning rate, throughput, spike counts, time
+    since this process started training and the estimated time to the last step."""
     parts = [f"step {step}/{max_steps}", f"loss {_num(metrics.get('train/CrossEntropyLoss'))}"]
     if "optim/total_grad_norm" in metrics:
         parts.append(f"grad_norm {_num(metrics['optim/total_grad_norm'], 3)}")
@@ -118,6 +128,8 @@ def step_line(step: int, max_steps: int, metrics: Dict[str, float]) -> str:
                                                               ("grad", "stability/grad_spikes")) if key in metrics]
     if spikes and any(not s.endswith(" 0") for s in spikes):
         parts.append("spikes " + ", ".join(spikes))
+    if elapsed is not None:
+        parts.append(f"{duration(elapsed)} elapsed" + (f", eta {duration(eta)}" if eta is not None else ""))
     return " | ".join(parts)
 
 

@@ -59,7 +59,14 @@ def _one_line(err: Exception) -> str:
 def load_config(path: str, overrides: Optional[List[str]] = None) -> SiameseTrainConfig:
     """Load a YAML recipe with ``--key=value`` overrides, as OLMo's CLI accepts them."""
     if not Path(path).exists() or Path(path).is_dir():
-        raise RunError(f"config file {path} not found; pick one from configs/ (docs/training.md lists them).")
+        import difflib
+
+        recipes = sorted(str(p) for p in Path(path).parent.glob("*.y*ml")) or \
+            sorted(str(p) for p in Path("configs").glob("*.yaml"))
+        by_name = {Path(r).name: r for r in recipes}
+        close = difflib.get_close_matches(Path(path).name, list(by_name), n=1, cutoff=0.75)
+        hint = f"did you mean {by_name[close[0]]}? " if close else ""
+        raise RunError(f"config file {path} not found; {hint}pick one from configs/ (docs/training.md lists them).")
     if not Path(path).is_file():  # a pipe (process substitution, /dev/stdin): read once into a file OLMo can load
         import tempfile
 

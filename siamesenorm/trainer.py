@@ -163,10 +163,21 @@ class SiameseTrainer(Trainer):
         with open(self.metrics_path, "a") as f:
             f.write(json.dumps(record) + "\n")
 
+    def _clock(self) -> tuple[float, Optional[float]]:
+        """(seconds since this process logged its first step's line, the estimated seconds to max_steps at the
+        rate since then: evaluations and checkpoints included; None until a second line)."""
+        now = time.time()
+        if getattr(self, "_clock_start", None) is None:
+            self._clock_start = (now, self.global_step)
+        started, first_step = self._clock_start
+        done = self.global_step - first_step
+        eta = (now - started) / done * max(0, self.max_steps - self.global_step) if done > 0 else None
+        return now - started, eta
+
     def log_metrics_to_console(self, prefix: str, metrics: Dict[str, float]):
         """One console line per logged step or evaluation (console.py) instead of OLMo's line per metric."""
         if prefix.startswith("[step="):
-            log.info(step_line(self.global_step, self.max_steps, metrics))
+            log.info(step_line(self.global_step, self.max_steps, metrics, *self._clock()))
         elif prefix == "Pre-train system metrics":
             pass
         else:

@@ -73,7 +73,11 @@ def test_step_and_eval_lines():
                                "stability/loss_spikes": 0, "stability/grad_spikes": 2})
     assert line == "step 10/300 | loss 5.1235 | grad_norm 0.532 | lr 1.00e-03 | 5,379 tok/s | spikes loss 0, grad 2"
     quiet = step_line(10, 300, {"train/CrossEntropyLoss": 5.0, "stability/loss_spikes": 0})
-    assert "spikes" not in quiet
+    assert "spikes" not in quiet and "elapsed" not in quiet
+    timed = step_line(100, 300, {"train/CrossEntropyLoss": 5.0}, elapsed=95.4, eta=3725.0)
+    assert timed == "step 100/300 | loss 5.0000 | 0:01:35 elapsed, eta 1:02:05"
+    assert step_line(1, 9, {}, elapsed=0.0).endswith("| 0:00:00 elapsed")
+    assert step_line(1, 9, {}, elapsed=1.0, eta=3 * 86400).endswith("eta 3.0 days")
     assert eval_line("val", 100, {"eval/val/CrossEntropyLoss": 4.0, "eval/val/Perplexity": 54.598}) == \
         "eval val at step 100: CrossEntropyLoss 4.0000 | Perplexity 54.60"
 
@@ -105,7 +109,9 @@ def test_training_console_is_short_and_saved_in_the_run_folder(tmp_path, austen_
     assert "Warning" not in console and "deprecated" not in console  # no warnings from our pins or our code
     assert len(lines) <= 16, console  # what runs (3 lines), 3 steps, 2 evaluations, the checkpoint, the result
     assert sum("MODEL_TYPE=pre (the default" in line for line in lines) == 1
-    assert sum(" | loss " in line and "step " in line for line in lines) == 3
+    steps = [line for line in lines if " | loss " in line and "step " in line]
+    assert len(steps) == 3 and all(" elapsed" in line for line in steps)
+    assert "eta " not in steps[0] and all(", eta " in line for line in steps[1:])  # a rate needs two lines
     assert any(f"run folder: {run}" in line for line in lines)
     assert not any(line.strip().startswith(("eval/", "train/", "optim/")) for line in lines)  # no metric per line
     saved = (run / "console.log").read_text()
@@ -119,3 +125,37 @@ def test_training_console_is_short_and_saved_in_the_run_folder(tmp_path, austen_
     assert again.returncode == 0, again.stderr[-3000:]
     resumed = (run / "console.log").read_text()
     assert resumed.startswith(saved) and "step 8/8" in resumed  # a resume appends to the same log
+
+
+@pytest.mark.parametrize("script", ["quickstart.sh", "check_python_range.sh"])
+def test_shell_scripts_answer_help_at_once_and_refuse_unknown_options(script):
+    import time
+
+    started = time.time()
+    ok = subprocess.run(["bash", str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True, timeout=30)
+    assert ok.returncode == 0 and "bash scripts/" + script in ok.stdout and time.time() - started < 2
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / script), "--bogus"], capture_output=True, text=True,
+                         timeout=30)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "usage: bash scripts/" + script in bad.stderr
+
+
+def test_a_mistyped_model_type_gets_did_you_mean():
+    from olmo.exceptions import OLMoConfigurationError
+
+    from siamesenorm.config import SiameseModelConfig, validate_model_config
+
+    for typo, meant in (("hybrid-pre", "hybrid_pre"), ("Post_Pre", "post_pre"), ("hybrdi", "hybrid")):
+        with pytest.raises(OLMoConfigurationError, match=f"did you mean '{meant}'"):
+            validate_model_config(SiameseModelConfig(), typo)
+    with pytest.raises(OLMoConfigurationError) as caught:
+        validate_model_config(SiameseModelConfig(), "transformer")
+    assert "did you mean" not in str(caught.value) and "valid values are" in str(caught.value)
+
+
+def test_a_mistyped_recipe_path_gets_did_you_mean():
+    from siamesenorm.runconfig import RunError, load_config
+
+    with pytest.raises(RunError, match=r"did you mean configs/OLMo-1B-hybrid-2e-3.yaml\?"):
+        load_config(str(Path("configs") / "OLMo-1B-hybrid-2e3.yaml"))
+    with pytest.raises(RunError, match="not found; pick one from configs/"):
+        load_config("configs/zzzzzzzzzzzzzzzzzzzzzzzzz.yaml")
