@@ -5,7 +5,10 @@ Cell rules:
   * PPL: the last validation perplexity (2 decimals); accuracies in percent (1 decimal); Avg: the mean of the seven
     accuracies, only when all seven exist; "-" where a value does not exist;
   * a diverged run, or one that finished without converging (``converged: false``): "diverge" in PPL and "-" in
-    every other column;
+    every other column; a run too short to judge (fewer steps than the guard's grace period plus one convergence
+    window): "too short"; a run with no perplexity yet: "crashed" (an error stopped it), "stopped" (a signal) or
+    "running";
+  * columns without a value in any row are left out (PPL always stays);
   * "*" after PPL: the run had loss spikes (records.py has the rule); "†" after PPL: the run has not finished
     (status running or stopped), its values are its latest;
   * bold: the best value of each column within a setting (lowest PPL, highest accuracy), ties all bold,
@@ -45,6 +48,23 @@ _KNOB_NAMES = {
 }
 
 DIVERGE, MISSING, SPIKE, UNFINISHED = "diverge", "-", "*", "†"
+CRASHED, STOPPED, RUNNING, TOO_SHORT = "crashed", "stopped", "running", "too short"
+
+
+def _too_short(record: Dict) -> bool:
+    """A run that ended before its loss could be judged (the grace period plus one convergence window): a smoke
+    test, not a divergence."""
+    stability = record.get("stability") or {}
+    need = (stability.get("grace_steps") or 0) + (stability.get("converge_window") or 0)
+    return record.get("status") != "diverged" and (record.get("step") or 0) < need
+
+
+def _no_result(record: Dict) -> str:
+    """What a record without a perplexity is: crashed (an error stopped it), stopped (a signal), running."""
+    if record.get("status") == "running":
+        return RUNNING
+    error = str(record.get("error") or "")
+    return STOPPED if ("SIGTERM" in error or "SIGINT" in error or "KeyboardInterrupt" in error) else CRASHED
 
 
 def method_name(record: Dict) -> str:
@@ -100,9 +120,14 @@ class Table:
 
 def _row(record: Dict, setting: str) -> Row:
     method = method_name(record)
+    blank = [MISSING] * (len(COLUMNS) - 1)
+    if record.get("converged") is False and _too_short(record):
+        return Row(setting, method, [None] * len(COLUMNS), [TOO_SHORT] + blank, False)
     if record.get("status") == "diverged" or record.get("converged") is False:
-        return Row(setting, method, [None] * len(COLUMNS), [DIVERGE] + [MISSING] * (len(COLUMNS) - 1), True)
+        return Row(setting, method, [None] * len(COLUMNS), [DIVERGE] + blank, True)
     ppl = record.get("val_perplexity")
+    if ppl is None and record.get("status") in ("running", "stopped"):
+        return Row(setting, method, [None] * len(COLUMNS), [_no_result(record)] + blank, False)
     downstream = record.get("downstream") or {}
     accs = [downstream.get(label) for label in DOWNSTREAM_LABELS]
     accs = [None if a is None else 100.0 * a for a in accs]
@@ -131,6 +156,8 @@ def _aggregate(records: List[Dict], setting: str) -> Row:
     alive = [r for r in rows if not r.diverged]
     if not alive:
         return rows[0]
+    if all(r.values[0] is None for r in alive):  # no seed has a result yet: say why (crashed, running, ...)
+        return alive[0]
     values, texts = [], []
     for j in range(len(COLUMNS)):
         column = [r.values[j] for r in alive if r.values[j] is not None]
@@ -194,11 +221,19 @@ def build_table(records: Iterable[Dict], warn=sys.stderr) -> Table:
 
 
 # ---- renderers ------------------------------------------------------------------------------------------------------
+def shown_columns(table: Table) -> List[int]:
+    """The columns with a value in some row (PPL always): a table of runs without downstream evaluation does not
+    print seven empty columns."""
+    return [j for j in range(len(COLUMNS)) if j == 0 or any(r.values[j] is not None for r in table.rows)]
+
+
 def to_markdown(table: Table) -> str:
-    lines = ["| Setting | Method | " + " | ".join(COLUMNS) + " |", "| --- | --- |" + " ---: |" * len(COLUMNS)]
+    cols = shown_columns(table)
+    lines = ["| Setting | Method | " + " | ".join(COLUMNS[j] for j in cols) + " |",
+             "| --- | --- |" + " ---: |" * len(cols)]
     for label in table.settings:
         for k, (i, row) in enumerate(table.rows_of(label)):
-            cells = [f"**{t}**" if table.best.get((i, j)) else t for j, t in enumerate(row.texts)]
+            cells = [f"**{row.texts[j]}**" if table.best.get((i, j)) else row.texts[j] for j in cols]
             lines.append(f"| {label if k == 0 else ''} | {row.method} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -206,9 +241,10 @@ def to_markdown(table: Table) -> str:
 def to_csv(table: Table) -> str:
     out = io.StringIO()
     writer = csv.writer(out, lineterminator="\n")
-    writer.writerow(["Setting", "Method", *COLUMNS])
+    cols = shown_columns(table)
+    writer.writerow(["Setting", "Method", *(COLUMNS[j] for j in cols)])
     for row in table.rows:
-        writer.writerow([row.setting, row.method, *row.texts])
+        writer.writerow([row.setting, row.method, *(row.texts[j] for j in cols)])
     return out.getvalue()
 
 
@@ -222,16 +258,18 @@ def _tex(text: str) -> str:
 
 def to_latex(table: Table) -> str:
     """A booktabs table (needs \\usepackage{booktabs,multirow})."""
+    cols = shown_columns(table)
     lines = [
-        r"\begin{tabular}{ll" + "r" * len(COLUMNS) + "}",
+        r"\begin{tabular}{ll" + "r" * len(cols) + "}",
         r"\toprule",
-        "Setting & Method & " + " & ".join(COLUMNS) + r" \\",
+        "Setting & Method & " + " & ".join(COLUMNS[j] for j in cols) + r" \\",
     ]
     for label in table.settings:
         members = table.rows_of(label)
         lines.append(r"\midrule")
         for k, (i, row) in enumerate(members):
-            cells = [r"\textbf{" + _tex(t) + "}" if table.best.get((i, j)) else _tex(t) for j, t in enumerate(row.texts)]
+            cells = [r"\textbf{" + _tex(row.texts[j]) + "}" if table.best.get((i, j)) else _tex(row.texts[j])
+                     for j in cols]
             first = rf"\multirow{{{len(members)}}}{{*}}{{{_tex(label)}}}" if k == 0 else ""
             lines.append(f"{first} & {_tex(row.method)} & " + " & ".join(cells) + r" \\")
     lines += [r"\bottomrule", r"\end{tabular}"]
@@ -240,7 +278,9 @@ def to_latex(table: Table) -> str:
 
 LEGEND = (
     'diverge: the divergence guard stopped the run (diverged or failed to converge); *: loss spikes during training; '
-    "†: not finished (latest values); a ± b (n=k): mean and standard deviation over k seeds; "
+    "†: not finished (latest values); crashed / stopped / running: no evaluation yet (an error, a signal, still "
+    "training); too short: ended before its loss could be judged (warmup plus one convergence window); "
+    "a ± b (n=k): mean and standard deviation over k seeds; "
     "bold: best in its setting. PPL: validation perplexity; accuracies in %."
 )
 

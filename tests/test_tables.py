@@ -135,3 +135,25 @@ def test_different_recipes_are_never_merged_and_seeds_are_aggregated():
     assert [row.texts[0] for _, row in table.rows_of(table.settings[1])] == ["30.00"]
     best = [table.rows[i].method for (i, j) in table.best if j == 0]
     assert sorted(best) == ["Pre-Norm", "SiameseNorm"]  # one best per setting: 51.00 in the study, 30.00 alone
+
+
+def test_crashed_stopped_running_and_too_short_runs_are_marked_and_empty_columns_dropped():
+    guard = {"grace_steps": 30, "converge_window": 20}
+    crashed = {**rec("pre", 1e-2, None, status="stopped"), "error": "RuntimeError: CUDA error", "seed": 1}
+    killed = {**rec("post", 1e-2, None, status="stopped"), "error": "Terminated: killed by SIGTERM"}
+    running = rec("hc", 1e-2, None, status="running")
+    smoke = {**rec("hybrid_pre", 1e-2, 300.0), "converged": False, "step": 20, "stability": guard}
+    failed = {**rec("post_pre", 1e-2, 540.0), "converged": False, "step": 300, "stability": guard}
+    seeds = [{**crashed, "seed": 2}, {**crashed, "seed": 3, "updated": 2.0}]
+    table = build_table([crashed, killed, running, smoke, failed], warn=None)
+    cells = {row.method: row.texts[0] for row in table.rows}
+    from siamesenorm.tables import METHOD_NAMES
+
+    expected = {"pre": "crashed", "post": "stopped", "hc": "running", "hybrid_pre": "too short", "post_pre": "diverge"}
+    assert cells == {METHOD_NAMES[mt]: text for mt, text in expected.items()}, cells
+    md = to_markdown(table)
+    assert md.splitlines()[0] == "| Setting | Method | PPL |"  # no downstream values anywhere: no empty columns
+    assert to_csv(table).splitlines()[0] == "Setting,Method,PPL" and "{llr}" in to_latex(table)
+    assert build_table(seeds, warn=None).rows[0].texts[0] == "crashed"  # every seed crashed: said so
+    full = to_markdown(build_table(RECORDS, warn=None)).splitlines()[0]
+    assert full.count("|") == 12  # with downstream values: all nine columns
