@@ -2,8 +2,12 @@
 
 Conventions, the same in every figure: one colour and one display name per method (``COLOURS``,
 tables.METHOD_NAMES), the paper's stream names (``STREAM_NAMES``), integer ticks on layer axes, log axes labelled
-at 1-2-5 steps, a cross where the guard stopped a run (diverged or failed to converge) and small triangles at its
-loss spikes, a caption line that says what is smoothed and how, and PNG, PDF or SVG output.
+at 1-2-5 steps ("log scale" said on the axis), losses in nats, a cross where the guard stopped a run (diverged or
+failed to converge) and small triangles at its loss spikes, markers on sparse series (a point per value when a
+series has at most SPARSE points), legends readable at column width (LEGEND_PT), a line style as well as a colour
+per method (the methods whose colours are darker shades of palette colours are dashed), and PNG, PDF or SVG
+output. Nothing is written into the image below the axes: the caption (what is smoothed and how, which marks are
+drawn) goes to a sidecar ``<name>.caption.txt`` beside the figure, for the document that shows it.
 """
 
 from __future__ import annotations
@@ -31,6 +35,17 @@ for _variant in VARIANTS.values():
     STREAM_NAMES.update(_variant.stream_labels)
 
 _LINESTYLES = ("-", "--", ":", "-.")
+#: A series with at most this many points gets a marker at each.
+SPARSE = 30
+#: Legend font size (points): readable when a figure is scaled to a paper's column.
+LEGEND_PT = 9
+
+
+def linestyle(model_type: str, repeat: int = 0) -> str:
+    """The method's own line style: solid for the ten tab: palette colours, dashed for the rest (darker shades of
+    palette colours: darkred beside red, navy beside blue), shifted for a second run of the method in one panel."""
+    base = 0 if colour(model_type).startswith("tab:") else 1
+    return _LINESTYLES[(base + repeat) % len(_LINESTYLES)]
 
 
 def colour(model_type: str) -> str:
@@ -57,12 +72,20 @@ def pyplot():
 
 
 def moving_average(xs: Sequence[float], ys: Sequence[Optional[float]], window: int) -> tuple[list, np.ndarray]:
-    """Trailing mean over ``window`` logged values (None counts as missing); x is the window's last step."""
+    """Trailing mean over ``window`` logged values (None counts as missing; x is the window's last step); the
+    first steps, before a whole window exists, are the mean of what there is so far, so no step is dropped."""
     values = np.array([np.nan if v is None else v for v in ys], dtype=float)
-    if window <= 1 or len(values) < window:
+    if window <= 1 or not len(values):
         return list(xs), values
-    kernel = np.ones(window) / window
-    return list(xs)[window - 1:], np.convolve(values, kernel, mode="valid")
+    present = ~np.isnan(values)
+    sums = np.concatenate([[0.0], np.cumsum(np.where(present, values, 0.0))])
+    counts = np.concatenate([[0], np.cumsum(present)])
+    ends = np.arange(1, len(values) + 1)
+    starts = np.maximum(0, ends - window)
+    n = counts[ends] - counts[starts]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = np.where(n > 0, (sums[ends] - sums[starts]) / np.maximum(n, 1), np.nan)
+    return list(xs), means
 
 
 def integer_ticks(ax, axis: str = "x") -> None:
@@ -81,40 +104,51 @@ def readable_log(ax, axis: str = "y") -> None:
     target.set_minor_formatter(NullFormatter())
 
 
-def mark_events(ax, xs: Sequence[float], ys: Sequence[float], events: Dict, colour_: str) -> None:
-    """A cross at the last point of a run the guard stopped; triangles at its loss spikes (steps within xs)."""
+def mark_events(ax, xs: Sequence[float], ys: Sequence[float], events: Dict, colour_: str) -> Dict[str, bool]:
+    """A cross at the last point of a run the guard stopped; triangles at its loss spikes (steps within xs).
+    Returns which of the two it drew (a caption names only what is drawn)."""
     ys = list(ys)
     if not xs:
-        return
+        return {"stopped": False, "spikes": False}
+    drawn = {"stopped": False, "spikes": False}
     if events.get("stopped"):
         finite = [(x, y) for x, y in zip(xs, ys) if y is not None and math.isfinite(y)]
         if finite:
             ax.plot(*finite[-1], marker="x", color=colour_, ms=9, mew=2, zorder=5)
+            drawn["stopped"] = True
     lookup = dict(zip(xs, ys))
     spike_points = [(s, lookup[s]) for s in events.get("spike_steps", []) if lookup.get(s) is not None]
     if spike_points:
         ax.plot(*zip(*spike_points), ls="none", marker="^", color=colour_, ms=4, zorder=4)
+        drawn["spikes"] = True
+    return drawn
+
+
+def caption_path(path: str | Path) -> Path:
+    """Where a figure's caption is written: ``<name>.caption.txt`` beside it."""
+    path = Path(path)
+    return path.with_name(f"{path.stem}.caption.txt")
 
 
 def save(fig, path: str | Path, caption: Optional[str] = None, layout: bool = True) -> Path:
-    """Caption line at the bottom, tight layout (unless the caller laid it out), saved in the format its suffix
-    names, closed."""
+    """Tight layout (unless the caller laid it out), saved in the format its suffix names, closed; the caption,
+    if any, to the sidecar caption_path(path), never into the image."""
     path = Path(path)
     if path.suffix.lstrip(".") not in FORMATS:
         raise ValueError(f"{path}: figures are written as {', '.join(FORMATS)}")
     plt = pyplot()
-    if caption:
-        fig.text(0.01, 0.005, caption, fontsize=7, color="0.3", ha="left", va="bottom", wrap=True)
     if layout:
-        fig.tight_layout(rect=(0, 0.05 if caption else 0, 1, 1))
+        fig.tight_layout()
     fig.savefig(path, dpi=150)
     plt.close(fig)
+    if caption:
+        caption_path(path).write_text(caption.strip() + "\n")
     return path
 
 
 def _legend(ax, **kwargs) -> None:
     if ax.get_legend_handles_labels()[0]:
-        ax.legend(fontsize=7, **kwargs)
+        ax.legend(fontsize=LEGEND_PT, **kwargs)
 
 
 # ---- the analysis tools' figures (scripts/analyze.py) ----------------------------------------------------------------
@@ -174,19 +208,21 @@ def plot(tool: str, result: Dict, path: str | Path, smooth: int = 1) -> Path:
         key = result["metric"]
         with_val = key == "loss" and any(c.get("val_steps") for c in result["runs"].values())
         fig, axes = plt.subplots(1, 2 if with_val else 1, figsize=(10.0 if with_val else 6.4, 4.2), squeeze=False)
-        _curves(axes[0][0], result["runs"], key, smooth)
-        axes[0][0].set(xlabel="step", ylabel="gradient norm" if key == "grad_norm" else "training loss")
+        drawn = _curves(axes[0][0], result["runs"], key, smooth)
+        axes[0][0].set(xlabel="step", ylabel="gradient norm (log scale)" if key == "grad_norm" else
+                       "training loss (nats)")
         if key == "grad_norm":
             axes[0][0].set_yscale("log")
             readable_log(axes[0][0])
         if with_val:
             _curves(axes[0][1], result["runs"], "val_loss", 1, steps_key="val_steps")
-            axes[0][1].set(xlabel="step", ylabel="validation loss")
+            axes[0][1].set(xlabel="step", ylabel="validation loss (nats)")
+            _legend(axes[0][1])
         _legend(axes[0][0])
         what = "gradient norm" if key == "grad_norm" else "training loss"
-        caption = (f"{what}: trailing mean over {smooth} logged steps" if smooth > 1 else f"{what}: as logged, "
-                   "unsmoothed") + ("; validation loss: each evaluation, unsmoothed" if with_val else "") + \
-            ". x: the guard stopped the run; triangles: loss spikes."
+        caption = (f"{what}: trailing mean over {smooth} logged steps (the first steps: the mean so far)"
+                   if smooth > 1 else f"{what}: as logged, unsmoothed") + \
+            ("; validation loss: each evaluation, unsmoothed" if with_val else "") + "." + marks_caption(drawn)
         return save(fig, path, caption)
     raise ValueError(f"no plot for {tool}")
 
@@ -205,17 +241,29 @@ def _magnitudes(ax, models: Dict[str, Dict]) -> None:
     _legend(ax)
 
 
-def _curves(ax, runs: Dict[str, Dict], key: str, smooth: int, steps_key: str = "steps") -> None:
+def marks_caption(drawn: Dict[str, bool]) -> str:
+    """The caption's words for the marks actually drawn (nothing when none is)."""
+    words = [w for key, w in (("stopped", "x: the guard stopped the run"), ("spikes", "triangles: loss spikes"))
+             if drawn.get(key)]
+    return (" " + "; ".join(words) + ".") if words else ""
+
+
+def _curves(ax, runs: Dict[str, Dict], key: str, smooth: int, steps_key: str = "steps") -> Dict[str, bool]:
+    """Each run's curve (its method's colour and line style, markers when sparse); returns the marks drawn."""
     seen: Dict[str, int] = {}
+    drawn = {"stopped": False, "spikes": False}
     for label, curve in runs.items():
         mt = curve.get("model_type") or ""
-        style = _LINESTYLES[seen.get(mt, 0) % len(_LINESTYLES)]
+        style = linestyle(mt, seen.get(mt, 0))
         seen[mt] = seen.get(mt, 0) + 1
         xs, ys = moving_average(curve[steps_key], curve[key], smooth)
         c = colour(mt)
-        ax.plot(xs, ys, lw=1, color=c, ls=style, label=label)
+        sparse = {"marker": "o", "ms": 3} if len(xs) <= SPARSE else {}
+        ax.plot(xs, ys, lw=1, color=c, ls=style, label=label, **sparse)
         if steps_key == "steps":
-            mark_events(ax, xs, [None if math.isnan(y) else float(y) for y in ys], curve, c)
+            got = mark_events(ax, xs, [None if math.isnan(y) else float(y) for y in ys], curve, c)
+            drawn = {k: drawn[k] or got[k] for k in drawn}
+    return drawn
 
 
 def run_events(record: Dict) -> Dict:

@@ -105,8 +105,8 @@ def report(results: str | Path) -> Dict:
 def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int = 20) -> List[Path]:
     """Training loss, validation loss and gradient norms per learning rate (figures 2b/4 and 5), hidden-state
     magnitudes at the middle rate (figure 2a) and stream ratios (figure 6); conventions: siamesenorm/figures.py."""
-    from .figures import (colour, integer_ticks, mark_events, method_label, moving_average, pyplot, readable_log,
-                          run_events, save, stream_label)
+    from .figures import (LEGEND_PT, colour, integer_ticks, linestyle, mark_events, marks_caption, method_label,
+                          moving_average, pyplot, readable_log, run_events, save, stream_label)
 
     plt = pyplot()
     cells = load_cells(results)
@@ -121,9 +121,10 @@ def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int 
         if k not in first_seed or c["record"].get("seed", 0) < first_seed[k]["record"].get("seed", 0):
             first_seed[k] = c
     seed_one = list(first_seed.values())
-    panels = (("loss", "training loss", smooth, "loss"), ("val_loss", "validation loss", 1, "val-loss"),
-              ("grad_norm", "gradient norm", smooth, "grad-norms"))
+    panels = (("loss", "training loss (nats)", smooth, "loss"), ("val_loss", "validation loss (nats)", 1, "val-loss"),
+              ("grad_norm", "gradient norm (log scale)", smooth, "grad-norms"))
     for key, ylabel, window, name in panels:
+        drawn = {"stopped": False, "spikes": False}
         fig, axes = plt.subplots(1, len(lrs), figsize=(3.6 * len(lrs), 3.6), sharey=True, squeeze=False)
         for ax, lr in zip(axes[0], lrs):
             for c in (c for c in seed_one if c["record"]["learning_rate"] == lr):
@@ -136,11 +137,12 @@ def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int 
                     continue
                 xs, ys = moving_average([x for x, _ in rows], [y for _, y in rows], window)
                 mt = c["record"]["model_type"]
-                ax.plot(xs, ys, lw=1, color=colour(mt), label=method_label(mt),
-                        marker="o" if key == "val_loss" else None, ms=3)
+                ax.plot(xs, ys, lw=1, color=colour(mt), ls=linestyle(mt), label=method_label(mt),
+                        marker="o" if len(xs) <= 30 else None, ms=3)
                 if key != "val_loss":
-                    mark_events(ax, xs, [None if math.isnan(y) else float(y) for y in ys], run_events(c["record"]),
-                                colour(mt))
+                    got = mark_events(ax, xs, [None if math.isnan(y) else float(y) for y in ys],
+                                      run_events(c["record"]), colour(mt))
+                    drawn = {k: drawn[k] or got[k] for k in drawn}
             ax.set(title=f"lr {format_lr(lr)}", xlabel="step")
             if key == "grad_norm":
                 ax.set_yscale("log")
@@ -155,14 +157,14 @@ def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int 
             continue
         order = [method_label(mt) for mt in METHOD_NAMES]  # the same legend order in every figure
         handles = dict(sorted(handles.items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99))
-        fig.legend(list(handles.values()), list(handles), fontsize=7, loc="upper center", ncol=len(handles),
-                   bbox_to_anchor=(0.5, 1.0))
-        fig.tight_layout(rect=(0, 0.05, 1, 0.93))
-        how = f"trailing mean over {window} logged steps" if window > 1 else "each evaluation, unsmoothed"
-        marks = "" if key == "val_loss" else (" x: the guard stopped the run (diverged or failed to converge); "
-                                              "triangles: loss spikes.")
-        written.append(save(fig, out / f"study-{name}.{fmt}", f"{ylabel}: {how}; seed 1 of each cell.{marks}",
-                            layout=False))
+        rows_of_legend = math.ceil(len(handles) / 7)
+        fig.legend(list(handles.values()), list(handles), fontsize=LEGEND_PT, loc="upper center",
+                   ncol=min(7, len(handles)), bbox_to_anchor=(0.5, 1.0))
+        fig.tight_layout(rect=(0, 0, 1, 1 - 0.07 * rows_of_legend))
+        how = (f"trailing mean over {window} logged steps (the first steps: the mean so far)" if window > 1
+               else "each evaluation, unsmoothed")
+        written.append(save(fig, out / f"study-{name}.{fmt}",
+                            f"{ylabel}: {how}; seed 1 of each cell.{marks_caption(drawn)}", layout=False))
     middle = lrs[len(lrs) // 2 - 1] if lrs else None
     mags = [c for c in seed_one
             if c["record"]["learning_rate"] == middle and c["analysis"].get("magnitudes", {}).get("applies")]

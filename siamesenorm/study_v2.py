@@ -123,7 +123,7 @@ def report(results: str | Path, earlier: Optional[str | Path] = None, base_depth
 def figures(summary: Dict, out: str | Path, fmt: str = "png") -> List[Path]:
     """PPL against depth (mean and each seed), fusion weights and lens agreement over training, massive activations
     (largest |h| / median |h|) per layer; conventions: siamesenorm/figures.py."""
-    from .figures import colour, integer_ticks, method_label, pyplot, readable_log, save, stream_label
+    from .figures import LEGEND_PT, colour, integer_ticks, method_label, pyplot, readable_log, save, stream_label
 
     plt = pyplot()
     out = Path(out)
@@ -143,7 +143,7 @@ def figures(summary: Dict, out: str | Path, fmt: str = "png") -> List[Path]:
         ax.set(xscale="log", xlabel="layers (about 0.66M non-embedding parameters at every depth)",
                ylabel="validation perplexity", title="Depth at fixed parameters, lr 1e-2")
         ax.set_xticks([4, 8, 16, 32, 64], labels=["4", "8", "16", "32", "64"])
-        ax.legend(fontsize=8)
+        ax.legend(fontsize=LEGEND_PT)
         written.append(save(fig, out / f"v2-depth.{fmt}", "line: mean over seeds; dots: each seed."))
     for name, steps in summary["over_time"].items():
         fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.6))
@@ -158,7 +158,7 @@ def figures(summary: Dict, out: str | Path, fmt: str = "png") -> List[Path]:
         left.set(xlabel="step", ylabel="output fusion weight", title="Fusion weights over training")
         right.set(xlabel="step", ylabel="agreement with the model's prediction", title="Logit lens per stream")
         for ax in (left, right):
-            ax.legend(fontsize=8)
+            ax.legend(fontsize=LEGEND_PT)
         written.append(save(fig, out / f"v2-over-time-{name}.{fmt}", "Each point: the checkpoint at that step."))
     if summary["massive"]:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -171,6 +171,6 @@ def figures(summary: Dict, out: str | Path, fmt: str = "png") -> List[Path]:
                title="Massive activations, lr 1e-2, depth 16")
         integer_ticks(ax)
         readable_log(ax)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=LEGEND_PT)
         written.append(save(fig, out / f"v2-massive.{fmt}", "On 32 validation sequences, final checkpoints."))
     return written

@@ -163,3 +163,41 @@ def test_cli_not_applicable_is_reported_not_failed(tmp_path):
 def test_cli_missing_checkpoint_says_what_to_do(tmp_path):
     proc = analyze("depth", tmp_path / "nothing", "--output", tmp_path)
     assert proc.returncode == 2 and "no OLMo checkpoint" in proc.stderr
+
+
+def test_figure_conventions_smoothing_keeps_early_steps_captions_beside_not_inside_markers_and_styles(tmp_path):
+    import numpy as np
+
+    from siamesenorm.figures import caption_path, linestyle, moving_average, plot
+
+    xs, ys = moving_average([1, 2, 3, 4, 5], [4.0, 2.0, None, 6.0, 8.0], 3)
+    assert xs == [1, 2, 3, 4, 5]  # no step dropped
+    np.testing.assert_allclose(ys, [4.0, 3.0, 3.0, 4.0, 7.0])  # the mean so far, then trailing means; None skipped
+    assert linestyle("hybrid_star") != linestyle("hybrid") and linestyle("pre_embednorm") != linestyle("pre")
+    assert linestyle("pre") != linestyle("pre", repeat=1)
+
+    def run(n, spikes=(), stopped=False):
+        return {"model_type": "hybrid_pre", "steps": list(range(1, n + 1)), "loss": [5.0 - 0.01 * i for i in range(n)],
+                "spike_steps": list(spikes), "stopped": stopped}
+
+    path = tmp_path / "loss.png"
+    plot("loss-curves", {"metric": "loss", "runs": {"short": run(20), "long": run(200)}}, path, smooth=10)
+    caption = caption_path(path).read_text()
+    assert path.is_file() and "trailing mean over 10" in caption
+    assert "triangles" not in caption and "x:" not in caption  # no mark drawn, none described
+    plot("loss-curves", {"metric": "loss", "runs": {"spiky": run(200, spikes=[150], stopped=True)}}, path)
+    assert "triangles: loss spikes" in caption_path(path).read_text() and "x: the guard" in caption_path(path).read_text()
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from siamesenorm.figures import _curves
+
+    fig, ax = plt.subplots()
+    _curves(ax, {"short": run(20), "long": run(200)}, "loss", 1)
+    markers = {line.get_label(): line.get_marker() for line in ax.get_lines()}
+    assert markers["short"] == "o" and markers["long"] in ("None", None, "")  # markers only on the sparse series
+    assert ax.get_ylabel() == "" and not fig.texts  # nothing written into the figure outside the axes
+    plt.close(fig)
