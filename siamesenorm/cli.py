@@ -166,6 +166,8 @@ Then, in Python:
 
     hf_logging.disable_progress_bar()  # one-file models: per-shard progress bars only add console lines
 
+    print(f"exporting {args.source} to {args.output}: loading the checkpoint, then writing ...", file=sys.stderr,
+          flush=True)
     try:
         folder = export(args.source, args.output, overwrite=args.overwrite, dtype=getattr(torch, args.dtype),
                         format=args.format)
@@ -213,6 +215,7 @@ def generate_main(argv=None) -> None:
 
     hf_logging.disable_progress_bar()
 
+    print(f"loading {args.source} ...", file=sys.stderr, flush=True)  # a large checkpoint takes a while
     try:
         model, tokenizer = load_for_generation(args.source)
     except (FileNotFoundError, UnsafeCheckpoint, OLMoConfigurationError) as e:

