@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
+from olmo.exceptions import OLMoConfigurationError
 
 from .runconfig import RunError, SiameseTrainConfig, expand_paths
 
@@ -205,6 +206,9 @@ def _tokenizer_check(cfg: SiameseTrainConfig) -> Check:
 
 
 def _disk_check(cfg: SiameseTrainConfig, n_params: int, max_steps: Optional[int]) -> List[Check]:
+    if "://" in str(cfg.save_folder) or (cfg.remote_save_folder and "://" in str(cfg.remote_save_folder)):
+        return [Check("disk", "skip", f"{cfg.remote_save_folder or cfg.save_folder} is remote: space there is not "
+                      f"checked (one checkpoint: {checkpoint_bytes(n_params) / GIB:.1f} GiB)")]
     folder = Path(cfg.save_folder)
     existing = next(p for p in [folder, *folder.resolve().parents] if p.exists())
     if not os.access(existing, os.W_OK):
@@ -277,7 +281,7 @@ def preflight(cfg: SiameseTrainConfig, model_type: str, nodes: int = 1, gpus_per
         validate_model_config(cfg.model, model_type)
         checks.append(Check("model", "ok", f"MODEL_TYPE={model_type}, {cfg.model.n_layers} layers, d_model "
                             f"{cfg.model.d_model}"))
-    except RunError as e:
+    except OLMoConfigurationError as e:  # RunError is one too
         checks.append(Check("model", "FAIL", str(e)))
         return checks, {}
     corpus = corpus_tokens(cfg)

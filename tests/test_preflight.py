@@ -140,3 +140,10 @@ def test_timed_run_on_the_cpu(austen_prepared, tmp_path):
     assert _status(checks)["timed run"] == "ok" and run["tokens_per_s"] > 0 and run["step_s"] > 0
     assert run["microbatch"] == 2 and run["seq_len"] == 128 and run["hours"] > 0
     assert run["flops_per_token"] > 6 * est["parameters"] * 0.5  # at least the matmuls of the weights
+
+
+def test_a_mistyped_model_type_is_one_failed_check_with_did_you_mean(tmp_path):
+    cfg = _load(TINY, f"--save_folder={tmp_path / 'run'}")
+    checks, est = preflight(cfg, "hybrd_pre", nodes=1, gpus_per_node=1, gpu="h100-80gb")
+    assert [c.status for c in checks] == ["FAIL"] and est == {}
+    assert "did you mean 'hybrid_pre'" in checks[0].detail
