@@ -190,17 +190,20 @@ def count_documents(settings: PrepareSettings) -> Optional[int]:
     if len(settings.inputs) == 1 and settings.inputs[0].startswith("hf:"):
         return settings.max_documents
     total = 0
-    for path in _local_files(settings.inputs):
-        if path.suffix == ".txt":
-            total += 1
-        elif path.suffix == ".parquet":
-            import pyarrow.parquet as pq
+    try:
+        for path in _local_files(settings.inputs):
+            if path.suffix == ".txt":
+                total += 1
+            elif path.suffix == ".parquet":
+                import pyarrow.parquet as pq
 
-            total += pq.ParquetFile(str(path)).metadata.num_rows
-        else:
-            opener = gzip.open if path.suffix == ".gz" else open
-            with opener(path, "rb") as f:
-                total += sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+                total += pq.ParquetFile(str(path)).metadata.num_rows
+            else:
+                opener = gzip.open if path.suffix == ".gz" else open
+                with opener(path, "rb") as f:
+                    total += sum(chunk.count(b"\n") for chunk in iter(lambda: f.read(1 << 20), b""))
+    except (OSError, EOFError, ValueError, zlib.error, DataPreparationError):
+        return None  # a bad input: no total; reading it for real reports the problem in one line
     return min(total, settings.max_documents) if settings.max_documents is not None else total
 
 
