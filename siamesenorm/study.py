@@ -105,7 +105,7 @@ def report(results: str | Path) -> Dict:
 def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int = 20) -> List[Path]:
     """Training loss, validation loss and gradient norms per learning rate (figures 2b/4 and 5), hidden-state
     magnitudes at the middle rate (figure 2a) and stream ratios (figure 6); conventions: siamesenorm/figures.py."""
-    from .figures import (LEGEND_PT, colour, integer_ticks, linestyle, mark_events, marks_caption, method_label,
+    from .figures import (LEGEND_PT, SPARSE, colour, integer_ticks, linestyle, mark_events, marks_caption, method_label,
                           moving_average, pyplot, readable_log, run_events, save, stream_label)
 
     plt = pyplot()
@@ -138,7 +138,7 @@ def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int 
                 xs, ys = moving_average([x for x, _ in rows], [y for _, y in rows], window)
                 mt = c["record"]["model_type"]
                 ax.plot(xs, ys, lw=1, color=colour(mt), ls=linestyle(mt), label=method_label(mt),
-                        marker="o" if len(xs) <= 30 else None, ms=3)
+                        marker="o" if len(xs) <= SPARSE else None, ms=3)
                 if key != "val_loss":
                     got = mark_events(ax, xs, [None if math.isnan(y) else float(y) for y in ys],
                                       run_events(c["record"]), colour(mt))
