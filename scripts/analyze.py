@@ -21,8 +21,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from siamesenorm import analysis  # noqa: E402
-from siamesenorm.checkpoints import UnsafeCheckpoint  # noqa: E402
 
 MODEL_TOOLS = ("magnitudes", "stream-ratios", "lens", "depth")
 RUN_TOOLS = ("grad-norms", "loss-curves")
@@ -43,6 +41,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-k", type=int, default=None, help="depth: remove up to the last k layers")
     parser.add_argument("--smooth", type=int, default=1, help="curves: moving-average window in logged steps")
     args = parser.parse_args(argv)
+    from siamesenorm import analysis  # after --help: it imports torch and OLMo
+    from siamesenorm.checkpoints import UnsafeCheckpoint
+
 
     out = Path(args.output)
     try:

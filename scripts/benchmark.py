@@ -10,7 +10,9 @@ token (and on CUDA peak memory and MFU), eager and with compiled blocks. Logic a
 import argparse
 import sys
 
-from siamesenorm.config import MODEL_TYPES
+from siamesenorm.catalog import model_type_names
+
+MODEL_TYPES = model_type_names()  # read from the variant files without importing them: --help stays fast
 
 
 def main(argv=None) -> int:

@@ -16,14 +16,14 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 KNOB_CASES = [("post_pre", {"post_pre_x_norm_position": "after_addition"}),
               ("post", {"post_norm_position": "before_sublayer"}), ("hybrid_pre", {"siamese_normalized_input": False}),
               ("post_pre", {"siamese_normalized_input": False}), ("hc", {"hc_expansion_rate": 3})]
 
 
 def dump(out: str) -> None:
+    import torch  # here, not at the top: --help stays fast
+
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
     from conftest import tiny_config
 
@@ -46,10 +46,14 @@ def dump(out: str) -> None:
 
 
 def _same(a: dict, b: dict) -> bool:
+    import torch
+
     return list(a) == list(b) and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def compare(first: str, second: str) -> int:
+    import torch
+
     a, b = torch.load(first), torch.load(second)
     differ = 0
     for case in a:

@@ -17,7 +17,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from siamesenorm.records import EXIT_DIVERGED, RECORD_NAME  # noqa: E402
-from siamesenorm.train import QUIET_DIVERGENCE  # noqa: E402
 
 
 USAGE = "usage: python scripts/launch.py [torchrun options] CONFIG.yaml [--key=value ...]"
@@ -44,6 +43,8 @@ def main(argv) -> int:
         print(f"{USAGE}\nerror: no CONFIG.yaml among the arguments; see --help", file=sys.stderr)
         return 2
     torchrun_args, config, overrides = argv[:split], argv[split], argv[split + 1 :]
+    from siamesenorm.train import QUIET_DIVERGENCE  # after --help: it imports torch and OLMo
+
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, str(ROOT / "scripts" / "train.py"), config,
            *overrides]
     started = time.time()

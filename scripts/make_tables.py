@@ -12,7 +12,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from siamesenorm.records import RECORD_NAME, read_record  # noqa: E402
-from siamesenorm.tables import LEGEND, build_table, formats, render  # noqa: E402
 
 SUFFIX = {"markdown": "md", "csv": "csv", "latex": "tex"}
 
@@ -32,10 +31,12 @@ def find_records(paths):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("paths", nargs="+", help="run folders, run.json files, or folders searched for run.json")
-    parser.add_argument("--format", choices=[*formats(), "all"], default="markdown",
+    parser.add_argument("--format", choices=[*SUFFIX, "all"], default="markdown",
                         help="table format (default markdown); all: every format, needs --output")
     parser.add_argument("--output", help="write table1.<md|csv|tex> into this folder instead of printing")
     args = parser.parse_args(argv)
+    from siamesenorm.tables import LEGEND, build_table, formats, render  # after --help: it imports OLMo
+
     try:
         files = find_records(args.paths)
         if not files:

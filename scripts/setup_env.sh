@@ -2,6 +2,17 @@
 # Create .venv (or use $VENV) and install the project with its pinned dependencies, once per pyproject.toml change.
 # Sourced by scripts/quickstart.sh and scripts/test.sh.
 set -euo pipefail
+if [ "${BASH_SOURCE[0]}" = "$0" ] && [ $# -gt 0 ]; then  # run, not sourced: only --help is an argument
+  case "$1" in
+    -h|--help)
+      echo "usage: bash scripts/setup_env.sh"
+      echo "Creates .venv (or \$VENV) with \$PYTHON (default python3) and installs this project with its pinned"
+      echo "dependencies (pyproject.toml), again only when pyproject.toml changes. scripts/quickstart.sh and"
+      echo "scripts/test.sh source it; 'source scripts/setup_env.sh' also puts the environment on PATH."
+      exit 0 ;;
+    *) echo "setup_env.sh: unknown argument '$1'; it takes none (see --help)" >&2; exit 2 ;;
+  esac
+fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 PY="${PYTHON:-python3}"

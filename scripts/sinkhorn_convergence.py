@@ -11,15 +11,15 @@ exp(logits) normalised; p = 1/n is the uniform start mhc uses.
 import argparse
 import math
 
-import torch
-
-from siamesenorm.nn import sinkhorn
-
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--n", type=int, default=4, help="streams (mhc_expansion_rate)")
     args = parser.parse_args()
+    import torch  # after --help
+
+    from siamesenorm.nn import sinkhorn
+
     n = args.n
     torch.manual_seed(0)
     print("diagonal_start  noise  iterations  max|column_sum-1|  (rows end exact: the paper's T_r(T_c(.)))")

@@ -13,7 +13,6 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from siamesenorm.study import figures, report  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -39,6 +38,8 @@ def main(argv=None) -> int:
             print(f"wrote {path}")
         print(f"wrote {out / 'report.json'} ({summary['cells']} cells)")
         return 0
+    from siamesenorm.study import figures, report
+
     summary = report(args.results)
     (out / "report.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=1) + "\n")
     (out / "table.md").write_text(summary["table"])

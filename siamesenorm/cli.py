@@ -3,19 +3,24 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 import os
 import sys
-
-from olmo.exceptions import OLMoConfigurationError
 
 from .console import setup_logging as _logging
 
 
 def _model_types_help() -> str:
-    from .config import MODEL_TYPES
-    from .tables import METHOD_NAMES
+    from .catalog import model_types_help
 
-    return "\n".join(f"  {name:<15s}{METHOD_NAMES.get(name, name)}" for name in MODEL_TYPES)
+    return model_types_help()
+
+
+def _config_error() -> type:
+    """OLMo's configuration error, imported only once a command runs (``--help`` stays fast)."""
+    from olmo.exceptions import OLMoConfigurationError
+
+    return OLMoConfigurationError
 
 
 def train_main(argv=None) -> None:
@@ -53,7 +58,7 @@ Examples:
 
     try:
         code = main(args.config, overrides, dry=args.dry_run)
-    except (OLMoConfigurationError, UnsafeCheckpoint) as e:
+    except (_config_error(), UnsafeCheckpoint) as e:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank sees the same problem: say it once
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
@@ -64,8 +69,6 @@ Examples:
 
 
 def prepare_data_main(argv=None) -> None:
-    from .data import DataPreparationError, PrepareSettings, iter_documents, prepare, train_tokenizer, Skips
-
     parser = argparse.ArgumentParser(
         description="Tokenize documents into OLMo token files (train/ and val/ .npy memmaps plus manifest.json). "
         "With no inputs it streams FineWeb-Edu's sample-10BT from the Hugging Face Hub (network needed). "
@@ -103,6 +106,8 @@ def prepare_data_main(argv=None) -> None:
                         "inputs and write it to --output")
     args = parser.parse_args(argv)
     _logging()
+    from .data import DataPreparationError, PrepareSettings, iter_documents, prepare, train_tokenizer, Skips
+
     inputs = args.inputs or ["hf:HuggingFaceFW/fineweb-edu:sample-10BT"]
     settings = PrepareSettings(
         inputs=inputs,
@@ -134,16 +139,18 @@ def export_hf_main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description="Export a run or checkpoint of any MODEL_TYPE as a Hugging Face transformers folder "
         "(config.json, model.safetensors, tokenizer). pre becomes a plain Llama that transformers loads alone; "
-        "every other MODEL_TYPE needs `import siamesenorm.hf` first.",
+        "every other MODEL_TYPE carries its own modelling code (torch and transformers only), which transformers "
+        "loads alone with trust_remote_code=True.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog="""Examples:
   python scripts/export_hf.py runs/quickstart-pre exports/quickstart-pre
   python scripts/export_hf.py runs/x/step1000-unsharded exports/x-1000 --dtype bfloat16
 
-Then, in Python:
-  import siamesenorm.hf
+Then, in Python (transformers alone):
   from transformers import AutoModelForCausalLM, AutoTokenizer
-  model = AutoModelForCausalLM.from_pretrained("exports/quickstart-pre")""",
+  model = AutoModelForCausalLM.from_pretrained("exports/quickstart-pre")  # pre: a Llama
+  model = AutoModelForCausalLM.from_pretrained("exports/quickstart-hybrid_pre", trust_remote_code=True)
+  (with siamesenorm installed, `import siamesenorm.hf` first loads any export without remote code)""",
     )
     parser.add_argument("source", help="a run folder (its latest checkpoint) or a checkpoint folder "
                         "(stepN-unsharded/ or a sharded stepN/)")
@@ -154,7 +161,8 @@ Then, in Python:
     parser.add_argument("--format", choices=["auto", "siamesenorm", "llama"], default="auto",
                         help="llama: a plain transformers LlamaForCausalLM folder, no remote code (pre only: a "
                         "Pre-Norm OLMo is exactly a Llama; refused for anything else); siamesenorm: any MODEL_TYPE, "
-                        "loading needs this package; auto (default): llama when exact, else siamesenorm")
+                        "with its modelling code (trust_remote_code=True); auto (default): llama when exact, "
+                        "else siamesenorm")
     args = parser.parse_args(argv)
     _logging()
     import torch
@@ -171,12 +179,15 @@ Then, in Python:
     try:
         folder = export(args.source, args.output, overwrite=args.overwrite, dtype=getattr(torch, args.dtype),
                         format=args.format)
-    except (FileNotFoundError, FileExistsError, ValueError, UnsafeCheckpoint, OLMoConfigurationError) as e:
+    except (FileNotFoundError, FileExistsError, ValueError, UnsafeCheckpoint, _config_error()) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    if is_export(args.output):
-        print(f"exported {folder} to {args.output}; load it with: import siamesenorm.hf; "
-              f"AutoModelForCausalLM.from_pretrained({args.output!r})")
+    if is_export(args.output) and (Path(args.output) / "modeling_siamesenorm.py").is_file():
+        print(f"exported {folder} to {args.output} with its modelling code; transformers alone loads it: "
+              f"AutoModelForCausalLM.from_pretrained({args.output!r}, trust_remote_code=True)")
+    elif is_export(args.output):
+        print(f"exported {folder} to {args.output} without modelling code (README.md says why); load it with: "
+              f"import siamesenorm.hf; AutoModelForCausalLM.from_pretrained({args.output!r})")
     else:
         print(f"exported {folder} to {args.output} as a Llama (LlamaForCausalLM; transformers alone loads it): "
               f"AutoModelForCausalLM.from_pretrained({args.output!r})")
@@ -218,7 +229,7 @@ def generate_main(argv=None) -> None:
     print(f"loading {args.source} ...", file=sys.stderr, flush=True)  # a large checkpoint takes a while
     try:
         model, tokenizer = load_for_generation(args.source)
-    except (FileNotFoundError, UnsafeCheckpoint, OLMoConfigurationError) as e:
+    except (FileNotFoundError, UnsafeCheckpoint, _config_error()) as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     torch.manual_seed(args.seed)

@@ -2,16 +2,18 @@
 
 An exported folder holds ``config.json`` (model_type ``siamesenorm_olmo``; the whole OLMo model config under
 ``olmo``, MODEL_TYPE and its knobs included), ``model.safetensors`` (OLMo's own parameter names under ``model.``),
-``generation_config.json`` and the run's tokenizer (``tokenizer.json`` + ``tokenizer_config.json``). To load it,
-the model side needs this package installed (it builds the block through ai2-olmo) and imported once:
+``generation_config.json``, the run's tokenizer (``tokenizer.json`` + ``tokenizer_config.json``) and its modelling
+code (siamesenorm.remote: ``auto_map`` in config.json), so it loads two ways:
 
-    import siamesenorm.hf  # registers siamesenorm_olmo with AutoConfig and AutoModelForCausalLM
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    # transformers alone (no siamesenorm, no ai2-olmo): the folder's own code, torch only
+    model = AutoModelForCausalLM.from_pretrained("exports/my-run", trust_remote_code=True)
+
+    import siamesenorm.hf  # with this package: registers siamesenorm_olmo, builds the model through ai2-olmo
     model = AutoModelForCausalLM.from_pretrained("exports/my-run")
-    tokenizer = AutoTokenizer.from_pretrained("exports/my-run")   # plain transformers; no import needed
+    tokenizer = AutoTokenizer.from_pretrained("exports/my-run")   # plain transformers either way
 
-The model is OLMo's own ``olmo.model.OLMo`` inside a thin ``PreTrainedModel``: the logits are OLMo's; the key/value
-cache is transformers' ``DynamicCache``, converted to OLMo's per-layer (key, value) pairs at each call.
+Here the model is OLMo's own ``olmo.model.OLMo`` inside a thin ``PreTrainedModel``: the logits are OLMo's; the
+key/value cache is transformers' ``DynamicCache``, converted to OLMo's per-layer (key, value) pairs at each call.
 
 A ``pre`` model is exported by default as a plain ``LlamaForCausalLM`` folder instead (``llama_state_dict``: the
 fused q/k/v and SwiGLU projections split, the norm scales as they are), which transformers loads alone; anything
@@ -27,28 +29,19 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 import torch
-import torch.nn.functional as F
-from transformers import (
-    AutoConfig,
-    AutoModelForCausalLM,
-    GenerationConfig,
-    GenerationMixin,
-    PretrainedConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerFast,
-)
-from transformers.cache_utils import Cache, DynamicCache
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
 from .config import SiameseModelConfig
 from .model import build_model
+from .remote import modeling_siamesenorm as remote_model
+from .remote import remote_refusal, write_remote_code
 
 log = logging.getLogger(__name__)
 
-HF_MODEL_TYPE = "siamesenorm_olmo"
+HF_MODEL_TYPE = remote_model.HF_MODEL_TYPE
 
 __all__ = ["HF_MODEL_TYPE", "SiameseOlmoConfig", "SiameseOlmoForCausalLM", "export", "load_for_generation",
-           "is_export", "run_tokenizer", "llama_refusal", "llama_config", "llama_state_dict"]
+           "is_export", "run_tokenizer", "llama_refusal", "llama_config", "llama_state_dict", "write_export"]
 
 #: What an OLMo model must be for transformers' Llama to compute exactly its logits: Pre-Norm blocks with RMSNorm
 #: scales, SwiGLU, RoPE, no biases, no QK norm or clipping, no embedding norm, plain logits. field -> what it may be.
@@ -59,78 +52,28 @@ _LLAMA_FIELDS = {"layer_norm_type": ("rms",), "layer_norm_with_affine": (True,),
                  "multi_query_attention": (None, False)}
 
 
-class SiameseOlmoConfig(PretrainedConfig):
-    """transformers' view of an OLMo model config of any MODEL_TYPE; ``olmo`` holds every OLMo field."""
-
-    model_type = HF_MODEL_TYPE
-
-    def __init__(self, olmo: Optional[Dict[str, Any]] = None, **kwargs):
-        self.olmo = dict(olmo or {})
-        o = self.olmo
-        self.variant = o.get("model_type") or "pre"
-        self.num_hidden_layers = o.get("n_layers")
-        self.hidden_size = o.get("d_model")
-        self.num_attention_heads = o.get("n_heads")
-        self.max_position_embeddings = o.get("max_sequence_length")
-        kwargs.setdefault("vocab_size", o.get("embedding_size") or o.get("vocab_size"))
-        kwargs.setdefault("eos_token_id", o.get("eos_token_id"))
-        kwargs.setdefault("pad_token_id", o.get("pad_token_id"))
-        kwargs["tie_word_embeddings"] = False  # OLMo ties inside its own forward; transformers must not tie again
-        super().__init__(**kwargs)
-
-    def olmo_config(self) -> SiameseModelConfig:
-        config = SiameseModelConfig.new(**self.olmo)
-        config.init_device = "cpu"
-        return config
+#: transformers' view of an OLMo model config of any MODEL_TYPE (``olmo`` holds every OLMo field): the remote
+#: code's class itself (transformers rebuilds a config subclass's __init__, so it is used as it is).
+SiameseOlmoConfig = remote_model.SiameseOlmoConfig
 
 
-class SiameseOlmoForCausalLM(PreTrainedModel, GenerationMixin):
-    """An OLMo model of any MODEL_TYPE as a transformers causal LM (``generate`` with a KV cache included)."""
+def olmo_config(config: SiameseOlmoConfig) -> SiameseModelConfig:
+    """The OLMo model config (ours) of a transformers config."""
+    model_config = SiameseModelConfig.new(**config.olmo)
+    model_config.init_device = "cpu"
+    return model_config
+
+
+class SiameseOlmoForCausalLM(remote_model.SiameseOlmoForCausalLM):
+    """An OLMo model of any MODEL_TYPE as a transformers causal LM, built with ai2-olmo (the forward and the cache
+    handling are siamesenorm/remote/modeling_siamesenorm.py's, the same an export's remote code runs)."""
 
     config_class = SiameseOlmoConfig
-    base_model_prefix = "model"
-    main_input_name = "input_ids"
 
-    def __init__(self, config: SiameseOlmoConfig, model: Optional[torch.nn.Module] = None):
-        super().__init__(config)
-        olmo_config = config.olmo_config()
-        self.model = model if model is not None else build_model(olmo_config, olmo_config.model_type,
-                                                                 init_params=False)
-        self.post_init()
-
-    def _init_weights(self, module):  # every weight comes from the checkpoint; nothing to initialise
-        pass
-
-    def get_input_embeddings(self):
-        return self.model.transformer.wte
-
-    def forward(
-        self,
-        input_ids: Optional[torch.LongTensor] = None,
-        attention_mask: Optional[torch.Tensor] = None,
-        past_key_values: Optional[Cache] = None,
-        use_cache: Optional[bool] = None,
-        labels: Optional[torch.LongTensor] = None,
-        return_dict: Optional[bool] = None,
-        **kwargs,
-    ) -> CausalLMOutputWithPast:
-        past = None
-        n_past = 0
-        if past_key_values is not None and past_key_values.get_seq_length() > 0:
-            past = [(layer.keys, layer.values) for layer in past_key_values.layers]
-            n_past = past_key_values.get_seq_length()
-        output = self.model(input_ids, attention_mask=attention_mask, past_key_values=past, use_cache=bool(use_cache))
-        if use_cache:
-            if past_key_values is None:
-                past_key_values = DynamicCache()
-            for layer, (k, v) in enumerate(output.attn_key_values):  # OLMo returns past + new; the cache adds new
-                past_key_values.update(k[:, :, n_past:], v[:, :, n_past:], layer)
-        loss = None
-        if labels is not None:
-            logits = output.logits[:, :-1].float()
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=output.logits,
-                                      past_key_values=past_key_values if use_cache else None)
+    @classmethod
+    def build_inner(cls, config: SiameseOlmoConfig) -> torch.nn.Module:
+        model_config = olmo_config(config)
+        return build_model(model_config, model_config.model_type, init_params=False)
 
 
 AutoConfig.register(HF_MODEL_TYPE, SiameseOlmoConfig)
@@ -248,6 +191,16 @@ def export(path: Union[str, Path], out: Union[str, Path], overwrite: bool = Fals
         if not (is_export(out) or _is_llama_export(out)):
             raise FileExistsError(f"{out} is not an earlier export (no siamesenorm config.json); refusing to delete it.")
     model, tokenizer, folder = from_run(path)
+    write_export(model, tokenizer, folder, out, dtype=dtype, format=format)
+    return folder
+
+
+def write_export(model: SiameseOlmoForCausalLM, tokenizer: Optional[PreTrainedTokenizerFast], source: Path,
+                 out: Union[str, Path], dtype: Optional[torch.dtype] = None, format: str = "auto") -> str:
+    """Write the transformers folder ``out`` (replaced if it exists) for ``model``; returns the format written
+    (``llama`` or ``siamesenorm``). A siamesenorm folder carries its modelling code (siamesenorm.remote) and the
+    ``auto_map`` naming it, unless an option has none (``remote_refusal``; the card says which)."""
+    out = Path(out)
     source_config = model.config
     refusal = llama_refusal(source_config.olmo)
     if format == "llama" and refusal:
@@ -271,9 +224,17 @@ def export(path: Union[str, Path], out: Union[str, Path], overwrite: bool = Fals
     if dtype is not None:
         model = model.to(dtype)
     model.save_pretrained(str(out), safe_serialization=True)
-    tokenizer.save_pretrained(str(out))
-    (out / "README.md").write_text((_llama_card if as_llama else _model_card)(source_config, folder))
-    return folder
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(out))
+    no_remote = None if as_llama else remote_refusal(source_config.olmo)
+    if not as_llama and no_remote is None:
+        config_file = out / "config.json"
+        config = json.loads(config_file.read_text())
+        config["auto_map"] = write_remote_code(out, source_config.variant)
+        config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    card = _llama_card(source_config, source) if as_llama else _model_card(source_config, source, no_remote)
+    (out / "README.md").write_text(card)
+    return "llama" if as_llama else "siamesenorm"
 
 
 def _llama_card(config: SiameseOlmoConfig, source: Path) -> str:
@@ -292,11 +253,34 @@ tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
 """
 
 
-def _model_card(config: SiameseOlmoConfig, source: Path) -> str:
+def _model_card(config: SiameseOlmoConfig, source: Path, no_remote: Optional[str] = None) -> str:
     from .records import variant_knobs
 
-    knobs = variant_knobs(config.olmo_config(), config.variant)
+    knobs = variant_knobs(olmo_config(config), config.variant)
     knob_lines = "\n".join(f"- `{k}`: `{v}`" for k, v in sorted(knobs.items())) or "- (none)"
+    if no_remote is None:
+        loading = """It carries its own modelling code (`modeling_siamesenorm.py`, `olmo_lite.py` and siamesenorm's files for
+this MODEL_TYPE: the update rules that trained it, imports of torch and transformers only), so transformers
+alone loads it, without siamesenorm or ai2-olmo:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("path/to/this/folder", trust_remote_code=True)
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
+```
+
+With the siamesenorm package installed, `import siamesenorm.hf` first loads it through ai2-olmo instead, without
+remote code."""
+    else:
+        loading = f"""It carries no modelling code: {no_remote}. Load it with the siamesenorm package installed (it brings
+ai2-olmo):
+
+```python
+import siamesenorm.hf  # registers the model type with transformers
+from transformers import AutoModelForCausalLM, AutoTokenizer
+model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
+```"""
     return f"""# OLMo model, MODEL_TYPE `{config.variant}` ({config.num_hidden_layers} layers, d_model {config.hidden_size})
 
 Exported from `{source}` by siamesenorm's `scripts/export_hf.py`.
@@ -304,12 +288,5 @@ Exported from `{source}` by siamesenorm's `scripts/export_hf.py`.
 Variant knobs (docs/fidelity.md in siamesenorm explains each):
 {knob_lines}
 
-Load it with transformers; the model needs the siamesenorm package installed (it brings ai2-olmo):
-
-```python
-import siamesenorm.hf  # registers the model type with transformers
-from transformers import AutoModelForCausalLM, AutoTokenizer
-model = AutoModelForCausalLM.from_pretrained("path/to/this/folder")
-tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
-```
+{loading}
 """

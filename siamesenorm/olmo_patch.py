@@ -50,36 +50,38 @@ def _config_fields() -> str:
     return "\n".join(lines) + "\n"
 
 
-# (file, anchor line, text inserted after the anchor)
-EDITS = [
-    (
-        "olmo/config.py",
-        '    Apply norm after the attention/feedforward layers rather than before, as introduced in the Swin '
-        'transformer paper (Liu et al).\n    """\n',
-        _config_fields(),
-    ),
-    (
-        "olmo/model.py",
-        "log = logging.getLogger(__name__)\n",
-        "\nSIAMESENORM_PATCHED = True  # OLMoBlock.build delegates to the siamesenorm package\n",
-    ),
-    (
-        "olmo/model.py",
-        "    def build(cls, layer_id: int, config: ModelConfig, cache: BufferCache) -> OLMoBlock:\n",
-        """        # SiameseNorm: MODEL_TYPE / model.model_type choose the block; None means OLMo's own (pre).
+def edits() -> list:
+    """(file, anchor line, text inserted after the anchor), for each edit of the OLMo tree (a function: the config
+    fields come from SiameseModelConfig, which imports OLMo)."""
+    return [
+        (
+            "olmo/config.py",
+            '    Apply norm after the attention/feedforward layers rather than before, as introduced in the Swin '
+            'transformer paper (Liu et al).\n    """\n',
+            _config_fields(),
+        ),
+        (
+            "olmo/model.py",
+            "log = logging.getLogger(__name__)\n",
+            "\nSIAMESENORM_PATCHED = True  # OLMoBlock.build delegates to the siamesenorm package\n",
+        ),
+        (
+            "olmo/model.py",
+            "    def build(cls, layer_id: int, config: ModelConfig, cache: BufferCache) -> OLMoBlock:\n",
+            """        # SiameseNorm: MODEL_TYPE / model.model_type choose the block; None means OLMo's own (pre).
         from siamesenorm.registry import block_for
 
         block = block_for(layer_id, config, cache)
         if block is not None:
             return block
 """,
-    ),
-]
+        ),
+    ]
 
 
 def patched_text(rel: str, original: str) -> str:
     text = original
-    for path, anchor, insert in EDITS:
+    for path, anchor, insert in edits():
         if path != rel:
             continue
         if text.count(anchor) != 1:
@@ -91,7 +93,7 @@ def patched_text(rel: str, original: str) -> str:
 def render_patch(pristine_root: Path) -> str:
     """The unified diff (git-apply format) from the pristine OLMo source to the hooked one."""
     out = []
-    for rel in sorted({path for path, _, _ in EDITS}):
+    for rel in sorted({path for path, _, _ in edits()}):
         before = (pristine_root / rel).read_text()
         after = patched_text(rel, before)
         out.append(f"diff --git a/{rel} b/{rel}\n")
@@ -154,7 +156,7 @@ def materialize(target: Path, patch_file: Optional[Path], cache_dir: Path) -> Pa
 def pristine_tree(target: Path) -> Path:
     """A folder with the release's olmo/ sources, read from the checkout's release tag."""
     out = Path(tempfile.mkdtemp())
-    for rel in sorted({path for path, _, _ in EDITS}):
+    for rel in sorted({path for path, _, _ in edits()}):
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
         (out / rel).write_text(_git(target, "show", f"{RELEASE_TAG}:{rel}"))
     return out

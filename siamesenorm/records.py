@@ -32,6 +32,7 @@ earlier: stop_at, cancellation, an error or an interrupt).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -42,10 +43,6 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Deque, Dict, List, Optional
-
-from olmo.config import ModelConfig
-
-from .config import KNOB_OWNERS, SiameseModelConfig
 
 __all__ = [
     "EXIT_DIVERGED",
@@ -213,9 +210,16 @@ class StabilityMonitor:
 # ---- the run record ---------------------------------------------------------------------------------------------
 #: SiameseModelConfig's own fields (model_type and the variant knobs) pick the cell, not the recipe; so does the
 #: initialisation, which the paper chose per method (the OLMo-1B-hybrid-* recipes differ from OLMo-1B-* only there).
-_VARIANT_FIELDS = {f.name for f in dataclasses.fields(SiameseModelConfig)} - {
-    f.name for f in dataclasses.fields(ModelConfig)} | {"precision", "init_device", "init_fn", "init_std",
-                                                       "init_cutoff_factor"}
+#: (A function: the configs import OLMo, which this module leaves to the commands that need it.)
+@functools.lru_cache(maxsize=1)
+def _variant_fields() -> frozenset:
+    from olmo.config import ModelConfig
+
+    from .config import SiameseModelConfig
+
+    return frozenset({f.name for f in dataclasses.fields(SiameseModelConfig)} - {
+        f.name for f in dataclasses.fields(ModelConfig)} | {"precision", "init_device", "init_fn", "init_std",
+                                                           "init_cutoff_factor"})
 #: Config fields that name, place or schedule a run without changing what is trained: left out of config_hash.
 _NOT_HASHED = (
     "run_name",
@@ -247,7 +251,7 @@ def recipe_hash(cfg) -> str:
     rate, MODEL_TYPE and its knobs): runs of one recipe share it, runs of different recipes never do."""
     values = cfg.asdict(exclude=list(_NOT_HASHED) + list(_CELL_FIELDS))
     optimizer = {k: v for k, v in cfg.asdict()["optimizer"].items() if k != "learning_rate"}
-    model = {k: v for k, v in cfg.asdict()["model"].items() if k not in _VARIANT_FIELDS}
+    model = {k: v for k, v in cfg.asdict()["model"].items() if k not in _variant_fields()}
     text = json.dumps({**values, "optimizer": optimizer, "model": model}, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:12]
 
@@ -262,6 +266,10 @@ def config_hash(cfg) -> str:
 def variant_knobs(model_cfg, model_type: Optional[str] = None) -> Dict[str, Any]:
     """The variant knobs of SiameseModelConfig that differ from their defaults (ablations such as no depth
     scaling); with ``model_type``, only the knobs that type reads."""
+    from olmo.config import ModelConfig
+
+    from .config import KNOB_OWNERS, SiameseModelConfig
+
     own = {f.name: f for f in dataclasses.fields(SiameseModelConfig)}
     olmo = {f.name for f in dataclasses.fields(ModelConfig)}
     return {

@@ -1,8 +1,8 @@
 """The one registry: MODEL_TYPE string -> block class (derived from siamesenorm/variants/, one file per variant),
 and the hook that puts it into OLMo's block factory.
 
-``install_hook()`` (run on ``import siamesenorm``) replaces ``olmo.model.OLMoBlock.build``: a model type other than
-``pre`` builds our block; ``pre`` goes to OLMo's own factory. ``changes.patch`` adds the same delegation to an
+``import siamesenorm`` replaces ``olmo.model.OLMoBlock.build`` when OLMo loads (siamesenorm/_hook.py): a model
+type other than ``pre`` builds our block; ``pre`` goes to OLMo's own factory. ``changes.patch`` adds the same delegation to an
 OLMo source tree, calling ``block_for`` below.
 """
 
@@ -16,6 +16,7 @@ from typing import Optional, Type
 from olmo.config import ModelConfig
 from olmo.model import BufferCache, OLMoBlock
 
+from . import _hook
 from .config import MODEL_TYPES, resolve_model_type, validate_model_config
 from .variants import VARIANTS
 from .variants._block import RECOMPUTE_DEFAULT, TopologyBlock, set_recompute
@@ -29,7 +30,7 @@ log = logging.getLogger(__name__)
 BLOCKS: dict[str, Optional[Type[TopologyBlock]]] = {name: v.block for name, v in VARIANTS.items()}
 
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("siamesenorm_forced_model_type", default=None)
-_olmo_build = OLMoBlock.build.__func__  # OLMo's own factory, kept for ``pre``
+_olmo_build = _hook.ORIGINAL.get("build", OLMoBlock.build.__func__)  # OLMo's own factory, kept for ``pre``
 
 
 @contextlib.contextmanager
@@ -67,12 +68,13 @@ def _hooked_build(cls, layer_id: int, config: ModelConfig, cache: BufferCache) -
     return block
 
 
+_hooked_build.siamesenorm_factory = True  # type: ignore[attr-defined]
+
+
 def install_hook() -> None:
-    """Make OLMo's block factory honour MODEL_TYPE / model.model_type. Idempotent; a no-op on an OLMo source tree
-    patched with changes.patch, whose factory already delegates to ``block_for``."""
+    """Make OLMo's block factory honour MODEL_TYPE / model.model_type (``import siamesenorm`` already did, through
+    siamesenorm/_hook.py's trampoline to ``_hooked_build``). Idempotent; a no-op on an OLMo source tree patched
+    with changes.patch, whose factory already delegates to ``block_for``."""
     import olmo.model
 
-    if getattr(olmo.model, "SIAMESENORM_PATCHED", False):
-        return
-    if getattr(OLMoBlock.build, "__func__", None) is not _hooked_build:
-        OLMoBlock.build = classmethod(_hooked_build)  # type: ignore[method-assign]
+    _hook.patch_factory(olmo.model)

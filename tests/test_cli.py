@@ -4,6 +4,7 @@ runs once and then one line per logged step, the console log lands in the run fo
 import argparse
 import json
 import logging
+import os
 import runpy
 import subprocess
 import sys
@@ -137,6 +138,79 @@ def test_shell_scripts_answer_help_at_once_and_refuse_unknown_options(script):
     bad = subprocess.run(["bash", str(ROOT / "scripts" / script), "--bogus"], capture_output=True, text=True,
                          timeout=30)
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "usage: bash scripts/" + script in bad.stderr
+
+
+_HELP_IMPORTS = """
+import runpy, sys
+script = sys.argv[1]
+sys.argv = [script, "--help"]
+try:
+    runpy.run_path(script, run_name="__main__")
+except SystemExit as e:
+    code = e.code
+else:
+    code = 0
+heavy = [m for m in ("torch", "olmo", "transformers") if m in sys.modules]  # seconds each
+print("HEAVY", code, ",".join(heavy), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("script", SCRIPTS + ["launch.py"])
+def test_help_imports_neither_torch_nor_olmo(script):
+    """--help answers at once (the issue measured 6-19 s, the import of OLMo alone 9.5 s): a device-independent
+    check, the heavy modules it must not import before printing."""
+    proc = subprocess.run([sys.executable, "-c", _HELP_IMPORTS, str(ROOT / "scripts" / script)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=120)
+    line = next(l for l in proc.stderr.splitlines() if l.startswith("HEAVY"))
+    code, heavy = line.split(" ")[1], line.split(" ")[2] if len(line.split(" ")) > 2 else ""
+    assert code in ("0", "None") and proc.stdout.strip(), (script, proc.stdout[-500:], proc.stderr[-2000:])
+    assert heavy == "", f"{script} --help imports {heavy}"
+
+
+def test_setup_and_test_scripts_answer_help_without_installing_or_testing():
+    for script in ("setup_env.sh", "test.sh"):
+        ok = subprocess.run(["bash", str(ROOT / "scripts" / script), "--help"], capture_output=True, text=True,
+                            timeout=30, env={**os.environ, "VENV": "/nonexistent/venv"})
+        assert ok.returncode == 0 and f"usage: bash scripts/{script}" in ok.stdout, ok.stderr
+        assert not Path("/nonexistent/venv").exists()
+    bad = subprocess.run(["bash", str(ROOT / "scripts" / "setup_env.sh"), "--bogus"], capture_output=True,
+                         text=True, timeout=30)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "--help" in bad.stderr
+
+
+def test_the_model_type_list_for_help_is_the_registry():
+    from siamesenorm.catalog import declared_variants
+    from siamesenorm.tables import METHOD_NAMES
+
+    assert [name for name, _ in declared_variants()] == list(MODEL_TYPES)
+    assert dict(declared_variants()) == METHOD_NAMES
+
+
+def test_importing_siamesenorm_is_cheap_and_still_hooks_olmo_in_any_order():
+    script = """
+import os, sys
+order = sys.argv[1]
+if order == "first":
+    import siamesenorm
+    assert "olmo" not in sys.modules and "torch" not in sys.modules
+    import olmo.model
+else:
+    import olmo.model
+    import siamesenorm
+from olmo.config import ModelConfig
+from olmo.model import OLMo
+fields = dict(d_model=16, n_heads=2, n_layers=2, max_sequence_length=8, vocab_size=50, init_device="cpu")
+os.environ["MODEL_TYPE"] = "hc"
+hc = type(OLMo(ModelConfig(**fields)).transformer.blocks[0]).__name__
+os.environ["MODEL_TYPE"] = "pre"
+pre = type(OLMo(ModelConfig(**fields)).transformer.blocks[0]).__name__
+print(hc, pre)
+"""
+    for order in ("first", "after"):
+        proc = subprocess.run([sys.executable, "-c", script, order], capture_output=True, text=True, timeout=300,
+                              cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        assert proc.stdout.split() == ["HyperConnectionBlock", "OLMoSequentialBlock"], (order, proc.stdout)
 
 
 def test_a_mistyped_model_type_gets_did_you_mean():

@@ -2,6 +2,7 @@
 exports to a folder that transformers' Auto classes load, with OLMo's logits and OLMo's greedy tokens."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -50,7 +51,8 @@ def test_export_loads_with_auto_classes_and_matches_olmo(tmp_path, monkeypatch, 
     export(run, out, format="siamesenorm")  # every MODEL_TYPE, pre too (whose default is a Llama folder)
     config = json.loads((out / "config.json").read_text())
     assert config["model_type"] == "siamesenorm_olmo" and config["olmo"]["model_type"] == model_type
-    assert (out / "model.safetensors").is_file()
+    assert config["auto_map"]["AutoModelForCausalLM"] == "modeling_siamesenorm.SiameseOlmoForCausalLM"
+    assert (out / "model.safetensors").is_file() and (out / "modeling_siamesenorm.py").is_file()
 
     hf_model = AutoModelForCausalLM.from_pretrained(str(out)).eval()
     tokenizer = AutoTokenizer.from_pretrained(str(out))
@@ -118,16 +120,47 @@ class Hide(importlib.abc.MetaPathFinder):
             raise ImportError(f"{name} is hidden in this test")
 sys.meta_path.insert(0, Hide())
 import torch
-from transformers import AutoModelForCausalLM
-folder, ids = sys.argv[1], json.loads(sys.argv[2])
-model = AutoModelForCausalLM.from_pretrained(folder).eval()
+from transformers import AutoModelForCausalLM, AutoTokenizer
+folder, ids, trust = sys.argv[1], json.loads(sys.argv[2]), sys.argv[4] == "trust"
+model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=trust).eval()
+tokenizer = AutoTokenizer.from_pretrained(folder)
 with torch.no_grad():
     ids = torch.tensor([ids])
     logits = model(ids).logits
     greedy = model.generate(ids, max_new_tokens=8, do_sample=False, eos_token_id=None, pad_token_id=0)
-torch.save({"logits": logits, "greedy": greedy, "class": type(model).__name__,
+torch.save({"logits": logits, "greedy": greedy, "class": type(model).__name__, "text": tokenizer.decode(greedy[0]),
             "hidden": [m for m in sys.modules if m.split(".")[0] in ("siamesenorm", "olmo")]}, sys.argv[3])
 """
+
+
+def load_alone(folder: Path, ids: list, tmp_path: Path, trust: bool = False) -> dict:
+    """Load ``folder`` in a Python where siamesenorm and olmo cannot be imported; its logits, greedy tokens, text."""
+    result = tmp_path / "result.pt"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "hf-modules")
+    proc = subprocess.run([sys.executable, "-c", _TRANSFORMERS_ONLY, str(folder), json.dumps(ids), str(result),
+                           "trust" if trust else "no"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(result)
+
+
+def test_a_trained_hybrid_pre_export_loads_with_transformers_alone(tmp_path, monkeypatch, austen_prepared):
+    from siamesenorm.checkpoints import load_model
+    from siamesenorm.hf import export
+
+    run = trained_run(tmp_path, "hybrid_pre", monkeypatch)
+    out = tmp_path / "hybrid_pre-export"
+    export(run, out)
+    olmo_model, _ = load_model(run)
+    ids = [5, 17, 99, 3, 250, 1024, 7, 42]
+    got = load_alone(out, ids, tmp_path, trust=True)
+    assert got["class"] == "SiameseOlmoForCausalLM" and got["hidden"] == []
+    with torch.no_grad():
+        reference = olmo_model(torch.tensor([ids])).logits
+    assert (got["logits"] - reference).abs().max().item() <= 1e-6
+    assert got["greedy"].tolist() == greedy_olmo(olmo_model, torch.tensor([ids]), 8).tolist()
+    assert isinstance(got["text"], str) and got["text"]
 
 
 @pytest.mark.parametrize("tied", [False, True])
@@ -150,11 +183,7 @@ def test_pre_exports_as_a_llama_that_transformers_alone_loads_with_olmos_logits(
 
     olmo_model, _ = load_model(run)
     ids = [5, 17, 99, 3, 250, 1024, 7, 42]
-    result = tmp_path / "result.pt"
-    proc = subprocess.run([sys.executable, "-c", _TRANSFORMERS_ONLY, str(out), json.dumps(ids), str(result)],
-                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    got = torch.load(result)
+    got = load_alone(out, ids, tmp_path)
     assert got["class"] == "LlamaForCausalLM" and got["hidden"] == []
     with torch.no_grad():
         reference = olmo_model(torch.tensor([ids])).logits

@@ -1,0 +1,156 @@
+"""An export loads with transformers alone (siamesenorm/remote): for every MODEL_TYPE and the knobs and OLMo options
+that change the forward, ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` in a Python where
+siamesenorm and ai2-olmo cannot be imported gives OLMo's logits and OLMo's greedy tokens."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from siamesenorm.config import MODEL_TYPES, SiameseModelConfig
+from siamesenorm.hf import SiameseOlmoConfig, SiameseOlmoForCausalLM, write_export
+from siamesenorm.model import build_model
+from siamesenorm.remote import AUTO_MAP, check_imports, files_for
+
+PACKAGE = Path(__file__).resolve().parents[1] / "siamesenorm"
+IDS = [5, 17, 99, 3, 50, 10, 7, 42]
+
+# (MODEL_TYPE, overrides): every variant with its defaults, then the knobs and OLMo options that change the forward.
+CASES = [(m, {}) for m in MODEL_TYPES] + [
+    ("post_pre", {"post_pre_x_norm_position": "after_addition", "siamese_depth_scaling_form": "inv_sqrt_layer"}),
+    ("post_pre", {"layer_norm_type": "default", "include_bias": True}),
+    ("hybrid_pre", {"siamese_normalized_input": False, "siamese_depth_scaling": False}),
+    ("post", {"post_norm_position": "before_sublayer"}),
+    ("hc", {"hc_expansion_rate": 3}),
+    ("mhc", {"mhc_sinkhorn_order": "rows_first", "mhc_expansion_rate": 2}),
+    ("mixln", {"mixln_post_fraction": 0.5}),
+    ("pre", {"rope": False, "layer_norm_type": "default", "include_bias": True, "activation_type": "gelu",
+             "weight_tying": True}),
+    ("pre", {"n_kv_heads": 2, "attention_layer_norm": True, "clip_qkv": 0.5, "scale_logits": True,
+             "embedding_layer_norm": True}),
+    ("pre", {"norm_after": True}),
+]
+
+# Runs in a Python where siamesenorm and olmo cannot be imported: transformers alone, the folder's own code.
+_LOAD_ALONE = """
+import importlib.abc, json, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("siamesenorm", "olmo", "olmo_data", "olmo_core"):
+            raise ImportError(f"{name} is hidden in this test")
+sys.meta_path.insert(0, Hide())
+import torch
+from transformers import AutoModelForCausalLM
+folders, ids, result = json.loads(sys.argv[1]), torch.tensor([json.loads(sys.argv[2])]), {}
+try:
+    AutoModelForCausalLM.from_pretrained(folders[0])
+    refusal = None
+except Exception as e:
+    refusal = str(e)
+for folder in folders:
+    model, info = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, output_loading_info=True)
+    model.eval()
+    with torch.no_grad():
+        logits = model(ids).logits
+        greedy = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, eos_token_id=None,
+                                pad_token_id=0)
+    result[folder] = {"logits": logits, "greedy": greedy.tolist(), "class": type(model).__module__,
+                      "missing": list(info["missing_keys"]), "unexpected": list(info["unexpected_keys"])}
+result["hidden"] = [m for m in sys.modules if m.split(".")[0] in ("siamesenorm", "olmo")]
+result["refusal"] = refusal
+torch.save(result, sys.argv[3])
+"""
+
+
+def tiny_model(model_type: str, **overrides):
+    fields = dict(d_model=32, n_heads=4, n_layers=4, max_sequence_length=32, vocab_size=100, embedding_size=128,
+                  rope=True, layer_norm_type="rms", activation_type="swiglu", include_bias=False, weight_tying=False,
+                  attention_dropout=0.0, residual_dropout=0.0, embedding_dropout=0.0, init_device="cpu",
+                  eos_token_id=0, pad_token_id=1, model_type=model_type)
+    fields.update(overrides)
+    torch.manual_seed(0)
+    model = build_model(SiameseModelConfig.new(**fields), model_type).eval()
+    with torch.no_grad():  # away from the init, where norm scales of 1 and zero-initialised weights hide mistakes
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    return model
+
+
+def greedy(model, ids: torch.Tensor, n: int) -> list:
+    out = ids
+    with torch.no_grad():
+        for _ in range(n):
+            out = torch.cat([out, model(out).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+    return out.tolist()
+
+
+def load_alone(folders, tmp_path: Path) -> dict:
+    result = tmp_path / "result.pt"
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["HF_MODULES_CACHE"] = str(tmp_path / "hf-modules")  # a clean cache: no earlier test's copies
+    proc = subprocess.run([sys.executable, "-c", _LOAD_ALONE, json.dumps([str(f) for f in folders]), json.dumps(IDS),
+                           str(result)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return torch.load(result)
+
+
+def test_every_model_type_loads_with_transformers_alone_with_olmos_logits(tmp_path):
+    folders, references = [], []
+    for i, (model_type, overrides) in enumerate(CASES):
+        model = tiny_model(model_type, **overrides)
+        folder = tmp_path / f"export-{i}-{model_type}"
+        hf = SiameseOlmoForCausalLM(SiameseOlmoConfig(olmo=model.config.asdict()), model=model)
+        assert write_export(hf, None, Path("test"), folder, format="siamesenorm") == "siamesenorm"
+        config = json.loads((folder / "config.json").read_text())
+        assert config["auto_map"] == AUTO_MAP and config["olmo"]["model_type"] == model_type
+        with torch.no_grad():
+            references.append((model(torch.tensor([IDS])).logits, greedy(model, torch.tensor([IDS]), 6)))
+        folders.append(folder)
+    got = load_alone(folders, tmp_path)
+    assert got["hidden"] == []  # neither package was imported in there
+    assert got["refusal"] and "trust_remote_code" in got["refusal"]  # without it: the right fix, not "upgrade"
+    for (model_type, overrides), folder, (logits, tokens) in zip(CASES, folders, references):
+        result = got[str(folder)]
+        assert result["class"].startswith("transformers_modules"), (model_type, result["class"])
+        assert result["missing"] == [] and result["unexpected"] == [], (model_type, overrides, result)
+        assert result["logits"].shape == logits.shape
+        diff = (result["logits"] - logits).abs().max().item()
+        assert diff <= 1e-6, (model_type, overrides, diff)
+        assert result["greedy"] == tokens, (model_type, overrides)
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_the_exported_code_is_the_package_code_with_only_import_lines_changed(model_type):
+    files = files_for(model_type)
+    assert {"modeling_siamesenorm.py", "olmo_lite.py", "variant_table.py", f"{model_type}.py"} <= set(files)
+    for name, text in files.items():
+        if name == "variant_table.py":
+            continue
+        source = (PACKAGE / "remote" / name if name in ("olmo_lite.py", "modeling_siamesenorm.py") else
+                  PACKAGE / "nn" / name if name == "topologies.py" else PACKAGE / "variants" / name)
+        original = source.read_text().splitlines()
+        copied = text.splitlines()
+        if copied[0].startswith("# Written by siamesenorm's export"):
+            copied = copied[1:]
+        assert len(copied) == len(original), name
+        changed = [(a, b) for a, b in zip(original, copied) if a != b]
+        assert all(a.lstrip().startswith("from ") and b.lstrip().startswith("from .") for a, b in changed), changed
+        assert "olmo." not in "\n".join(b for _, b in changed)
+    for bad in ("import olmo\n", "from olmo.model import OLMo\n", "from ..nn import x\n", "from . import spec\n",
+                "import siamesenorm\n"):
+        with pytest.raises(RuntimeError):
+            check_imports("bad.py", bad)
+
+
+def test_an_option_without_modelling_code_exports_without_auto_map_and_says_why(tmp_path):
+    model = tiny_model("post_pre", rope=False, alibi=True)
+    hf = SiameseOlmoForCausalLM(SiameseOlmoConfig(olmo=model.config.asdict()), model=model)
+    folder = tmp_path / "alibi"
+    write_export(hf, None, Path("test"), folder)
+    assert "auto_map" not in json.loads((folder / "config.json").read_text())
+    assert not (folder / "modeling_siamesenorm.py").exists()
+    assert "model.alibi=True" in (folder / "README.md").read_text()
