@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 import os
 import sys
@@ -245,3 +246,64 @@ def generate_main(argv=None) -> None:
         for row in out:
             print(f"{prompt}{tokenizer.decode(row[ids.shape[1]:], skip_special_tokens=True)}")
             print("---")
+
+
+def evaluate_main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Score a finished model (a run folder: its latest checkpoint; a checkpoint folder; an export "
+        "from scripts/export_hf.py) on the paper's downstream tasks with OLMo's own evaluators and data, and on "
+        "validation perplexity, through OLMo's Trainer.eval: a checkpoint gets the numbers its run logged in-loop.",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="""Examples:
+  python scripts/evaluate.py runs/quickstart-hybrid_pre --tokens 'data/prepared/austen-2k/val/*.npy'
+  python scripts/evaluate.py exports/quickstart-pre --tasks piqa,arc_easy --max-batches 10 --output eval/pre
+  python scripts/make_tables.py eval/pre/evaluation.json eval/hybrid_pre/evaluation.json   # one table""",
+    )
+    parser.add_argument("source", help="a run folder, a checkpoint folder (stepN-unsharded/, stepN/) or an export")
+    parser.add_argument("--tasks", default="paper",
+                        help="comma-separated OLMo downstream task labels; 'paper' (default): arc_easy, "
+                        "arc_challenge, hellaswag, piqa, winogrande, openbook_qa, basic_arithmetic; 'none': only "
+                        "perplexity")
+    parser.add_argument("--tokens", action="append", default=[],
+                        help="OLMo token files (.npy, glob allowed; repeat for more) for validation perplexity")
+    parser.add_argument("--max-batches", type=int, default=None,
+                        help="at most this many batches per task (default: the whole task)")
+    parser.add_argument("--batch-size", type=int, default=16, help="instances per forward (default 16)")
+    parser.add_argument("--output", help="write evaluation.json (a record make_tables reads), evaluation.md and "
+                        "evaluation.csv into this folder")
+    args = parser.parse_args(argv)
+    _logging()
+    if args.output and Path(args.output).exists() and not Path(args.output).is_dir():
+        print(f"error: --output {args.output} is a file; name a folder", file=sys.stderr)
+        sys.exit(2)
+    if args.max_batches is not None and args.max_batches < 1 or args.batch_size < 1:
+        print("error: --max-batches and --batch-size must be >= 1", file=sys.stderr)
+        sys.exit(2)
+    from transformers.utils import logging as hf_logging
+
+    from .checkpoints import UnsafeCheckpoint
+    from .evaluate import PAPER_TASKS, EvalSettings, evaluate, to_csv, to_markdown
+
+    hf_logging.disable_progress_bar()
+
+    named = {"paper": list(PAPER_TASKS), "none": []}
+    tasks = named[args.tasks] if args.tasks in named else [t for t in args.tasks.split(",") if t]
+    if not tasks and not args.tokens:
+        print("error: nothing to evaluate: --tasks none needs --tokens", file=sys.stderr)
+        sys.exit(2)
+    print(f"evaluating {args.source}: loading the model, then {len(tasks)} task(s)"
+          f"{' and perplexity' if args.tokens else ''} ...", file=sys.stderr, flush=True)
+    try:
+        record = evaluate(args.source, EvalSettings(tasks=tasks, tokens=args.tokens, max_batches=args.max_batches,
+                                                    batch_size=args.batch_size))
+    except (FileNotFoundError, ValueError, UnsafeCheckpoint, _config_error()) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(to_markdown(record))
+    if args.output:
+        out = Path(args.output)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "evaluation.json").write_text(json.dumps(record, indent=1, sort_keys=True, default=str) + "\n")
+        (out / "evaluation.md").write_text(to_markdown(record))
+        (out / "evaluation.csv").write_text(to_csv(record))
+        print(f"wrote {out}/evaluation.json, .md, .csv", file=sys.stderr)

@@ -280,6 +280,10 @@ def variant_knobs(model_cfg, model_type: Optional[str] = None) -> Dict[str, Any]
     }
 
 
+#: OLMo's downstream metrics that are accuracies (ICLMetric's metric_type); ce_loss and bpb are not.
+_ACCURACY_METRICS = ("len_norm", "pmi_dc", "acc", "f1")
+
+
 def split_eval_metrics(metrics: Dict[str, float]) -> tuple[Dict[str, float], Dict[str, float]]:
     """OLMo's eval metric names -> ({lm label: perplexity}, {downstream label: accuracy in [0, 1]})."""
     perplexity, downstream = {}, {}
@@ -288,9 +292,10 @@ def split_eval_metrics(metrics: Dict[str, float]) -> tuple[Dict[str, float], Dic
         if len(parts) == 3 and parts[0] == "eval" and parts[2] == "Perplexity":
             perplexity[parts[1]] = float(value)
         elif len(parts) == 3 and parts[:2] == ["eval", "downstream"]:
-            label, _, metric = parts[2].rpartition("_")
-            if metric in ("acc", "len_norm", "f1", "pmi_dc") and label:
-                downstream[label] = float(value)
+            # "<task>_<metric>", the metric being one of OLMo's accuracy-like ICL metrics (len_norm has a "_")
+            metric = next((m for m in _ACCURACY_METRICS if parts[2].endswith("_" + m)), None)
+            if metric and len(parts[2]) > len(metric) + 1:
+                downstream[parts[2][: -len(metric) - 1]] = float(value)
     return perplexity, downstream
 
 
