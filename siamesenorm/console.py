@@ -70,6 +70,8 @@ def setup_logging() -> None:
         handler.addFilter(QuietOlmo())
         root.addHandler(handler)
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    # datasets announces at import which torch it found (INFO); OLMo imports it, now after this setup
+    logging.getLogger("datasets").setLevel(logging.WARNING)
 
 
 def attach_run_log(folder: Path) -> Path:
