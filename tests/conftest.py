@@ -10,6 +10,18 @@ import siamesenorm  # noqa: E402  (installs the hook)
 from siamesenorm import SiameseModelConfig  # noqa: E402
 
 
+#: The first lines of a subprocess script that must run with transformers alone: importing siamesenorm or ai2-olmo
+#: fails in there (the export tests load folders this way).
+HIDE_SIAMESENORM_AND_OLMO = """
+import importlib.abc, sys
+class Hide(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in ("siamesenorm", "olmo", "olmo_data", "olmo_core"):
+            raise ImportError(f"{name} is hidden in this test")
+sys.meta_path.insert(0, Hide())
+"""
+
+
 def tiny_config(**overrides) -> SiameseModelConfig:
     """A few-thousand-parameter OLMo: RMSNorm, RoPE, SwiGLU, weight tying, no dropout, fp32 on CPU."""
     values = dict(

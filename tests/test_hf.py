@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HIDE_SIAMESENORM_AND_OLMO
 
 from siamesenorm.config import MODEL_TYPES
 
@@ -112,13 +113,8 @@ def test_generate_script_from_run_and_from_export_agree(tmp_path, monkeypatch, a
 
 
 # Loads an export in a Python where neither siamesenorm nor olmo can be imported: transformers alone.
-_TRANSFORMERS_ONLY = """
-import importlib.abc, json, sys
-class Hide(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("siamesenorm", "olmo", "olmo_data", "olmo_core"):
-            raise ImportError(f"{name} is hidden in this test")
-sys.meta_path.insert(0, Hide())
+_TRANSFORMERS_ONLY = HIDE_SIAMESENORM_AND_OLMO + """
+import json, sys
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 folder, ids, trust = sys.argv[1], json.loads(sys.argv[2]), sys.argv[4] == "trust"

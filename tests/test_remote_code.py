@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import HIDE_SIAMESENORM_AND_OLMO
 
 from siamesenorm.config import MODEL_TYPES, SiameseModelConfig
 from siamesenorm.hf import SiameseOlmoConfig, SiameseOlmoForCausalLM, write_export
@@ -36,13 +37,8 @@ CASES = [(m, {}) for m in MODEL_TYPES] + [
 ]
 
 # Runs in a Python where siamesenorm and olmo cannot be imported: transformers alone, the folder's own code.
-_LOAD_ALONE = """
-import importlib.abc, json, sys
-class Hide(importlib.abc.MetaPathFinder):
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in ("siamesenorm", "olmo", "olmo_data", "olmo_core"):
-            raise ImportError(f"{name} is hidden in this test")
-sys.meta_path.insert(0, Hide())
+_LOAD_ALONE = HIDE_SIAMESENORM_AND_OLMO + """
+import json, sys
 import torch
 from transformers import AutoModelForCausalLM
 folders, ids, result = json.loads(sys.argv[1]), torch.tensor([json.loads(sys.argv[2])]), {}
