@@ -89,6 +89,10 @@ def validate_model_config(config: ModelConfig, model_type: str) -> None:
     if getattr(config, "norm_after", False):
         fail(f"MODEL_TYPE {model_type} places its norms itself; set model.norm_after to false "
              "(use MODEL_TYPE=post for Post-Norm).")
+    for declared in VARIANTS[model_type].knobs:  # the checks declared on the knobs, then the variant's own
+        problem = declared.check(knob(config, declared.name))
+        if problem:
+            fail(problem)
     validate = VARIANTS[model_type].validate
     if validate is not None:
         validate(config, model_type)

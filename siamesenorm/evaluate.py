@@ -193,7 +193,8 @@ def to_markdown(record: Dict[str, Any]) -> str:
     row = f"| {record['model_type']} | " + " | ".join(_cell(n, v) for n, v in cols) + " |"
     note = "Accuracies in %, OLMo's metric per task; perplexity on the --tokens files."
     if record["evaluation"]["max_batches"] is not None:
-        note += f" At most {record['evaluation']['max_batches']} batches of {record['evaluation']['batch_size']} per task."
+        how = record["evaluation"]
+        note += f" At most {how['max_batches']} batches of {how['batch_size']} per task."
     return "\n".join([head, rule, row, "", note]) + "\n"
 
 

@@ -2,8 +2,8 @@
 and the hook that puts it into OLMo's block factory.
 
 ``import siamesenorm`` replaces ``olmo.model.OLMoBlock.build`` when OLMo loads (siamesenorm/_hook.py): a model
-type other than ``pre`` builds our block; ``pre`` goes to OLMo's own factory. ``changes.patch`` adds the same delegation to an
-OLMo source tree, calling ``block_for`` below.
+type other than ``pre`` builds our block; ``pre`` goes to OLMo's own factory. ``changes.patch`` adds the same
+delegation to an OLMo source tree, calling ``block_for`` below.
 """
 
 from __future__ import annotations

@@ -59,3 +59,27 @@ def test_a_new_file_is_a_new_variant(monkeypatch, tmp_path):
 def test_a_broken_variant_file_is_named(monkeypatch, tmp_path, name, source, message):
     with pytest.raises(ImportError, match=message):
         _discover_with(monkeypatch, tmp_path, source, name)
+
+
+def test_knob_checks_are_declared_on_every_knob_and_fail_in_one_sentence():
+    """Every str knob declares its choices and every numeric knob its range (siamesenorm/variants/spec.py: Knob);
+    validate_model_config runs them for the knob's variants, each failure one sentence naming the field."""
+    from siamesenorm.config import validate_model_config
+    from siamesenorm.variants import KNOB_OWNERS, KNOBS
+    from olmo.exceptions import OLMoConfigurationError
+
+    for name, declared in KNOBS.items():
+        if isinstance(declared.default, bool):
+            continue  # OmegaConf's bool field type checks these
+        if isinstance(declared.default, str):
+            assert declared.choices and declared.default in declared.choices, name
+            bad = "no-such-" + name
+        else:
+            assert declared.minimum is not None and declared.check(declared.default) is None, name
+            bad = declared.minimum - 1
+        assert declared.check(bad).startswith(f"model.{name} ") and declared.check(bad).count(".") >= 1
+        with pytest.raises(OLMoConfigurationError, match=f"^model.{name} ") as caught:
+            validate_model_config(SiameseModelConfig(**{name: bad}), KNOB_OWNERS[name][0])
+        assert "\n" not in str(caught.value)
+    whole = KNOBS["hc_expansion_rate"]
+    assert whole.check(2.5) and whole.check(True) and whole.check(3) is None  # a whole number, not a bool

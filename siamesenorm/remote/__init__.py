@@ -79,7 +79,8 @@ KNOBS = {{k.name: k for k in VARIANT.knobs}}
 
 def block_class(model_type: str):
     if model_type not in VARIANTS:
-        raise ValueError(f"this folder holds the modelling code of MODEL_TYPE {model_type!r} only, not {{model_type!r}}")
+        raise ValueError(f"this folder holds the modelling code of MODEL_TYPE {model_type!r} only, "
+                         f"not {{model_type!r}}")
     from .olmo_lite import OLMoSequentialBlock
 
     return VARIANT.block or OLMoSequentialBlock

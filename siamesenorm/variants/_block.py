@@ -22,9 +22,9 @@ from olmo.config import ModelConfig
 from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
 
 from ..nn.topologies import DEPTH_SCALING_FORMS, depth_connection, depth_divisor, expand_streams
-from .spec import Knob, fail, knob
+from .spec import Knob, knob
 
-__all__ = ["TopologyBlock", "ConnectedStreamsBlock", "TwoStreamBlock", "SIAMESE_KNOBS", "validate_siamese", "depth_scale",
+__all__ = ["TopologyBlock", "ConnectedStreamsBlock", "TwoStreamBlock", "SIAMESE_KNOBS", "depth_scale",
            "RECOMPUTE_DEFAULT", "recompute_call", "set_recompute"]
 
 KVCache = Optional[Tuple[torch.Tensor, torch.Tensor]]
@@ -274,18 +274,12 @@ def _width_then_norm(conn: nn.Module, norm: nn.Module, h: torch.Tensor):
 SIAMESE_KNOBS = (
     Knob("siamese_depth_scaling", True,
          doc="Divide the update written into the bounded stream by c(l) (section 4.2)."),
-    Knob("siamese_depth_scaling_form", "inv_sqrt_2layer", legacy="inv_sqrt_layer",
+    Knob("siamese_depth_scaling_form", "inv_sqrt_2layer", legacy="inv_sqrt_layer", choices=tuple(DEPTH_SCALING_FORMS),
          doc="Which c(l), see siamesenorm.nn.DEPTH_SCALING_FORMS. Default: the official code's sqrt(2(l+1)); "
              '"inv_sqrt_layer" is the paper\'s text (section 4.2).'),
     Knob("siamese_normalized_input", True,
          doc="Apply an extra norm (LN^in) to the fused input of each sublayer (section 4.2)."),
 )
-
-
-def validate_siamese(config: ModelConfig, model_type: str) -> None:
-    form = knob(config, "siamese_depth_scaling_form")
-    if form not in DEPTH_SCALING_FORMS:
-        fail(f"model.siamese_depth_scaling_form {form!r} is unknown; use one of: {', '.join(DEPTH_SCALING_FORMS)}.")
 
 
 class TwoStreamBlock(TopologyBlock):

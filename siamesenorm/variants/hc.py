@@ -38,7 +38,7 @@ import torch
 
 from ..nn.topologies import HyperConnection
 from ._block import ConnectedStreamsBlock
-from .spec import Knob, Variant, fail, knob
+from .spec import Knob, Variant, knob
 
 __all__ = ["HyperConnectionBlock", "VARIANT"]
 
@@ -62,17 +62,12 @@ class HyperConnectionBlock(ConnectedStreamsBlock):
                     linear.weight.div_(math.sqrt(self.n_streams))
 
 
-def validate(config, model_type: str) -> None:
-    n = knob(config, "hc_expansion_rate")
-    if not isinstance(n, int) or n < 1:
-        fail(f"model.hc_expansion_rate must be a whole number >= 1 (got {n!r}); the paper uses 2.")
-
-
 VARIANT = Variant(
     name="hc", display_name="Hyper-Connections", colour="tab:purple", block=HyperConnectionBlock, order=3,
-    table_row=9, validate=validate,
+    table_row=9,
     knobs=(
-        Knob("hc_expansion_rate", 2, doc="Number of residual streams n (the paper's baseline is DHCx2)."),
+        Knob("hc_expansion_rate", 2, minimum=1, usual="the paper uses 2",
+             doc="Number of residual streams n (the paper's baseline is DHCx2)."),
         Knob("hc_scale_output_init", True, legacy=False,
              doc="Divide the init of the attention and MLP output weights (attn_out, ff_out) by sqrt(n) (HC paper "
                  "section 4), since every sublayer's output is written into all n streams."),

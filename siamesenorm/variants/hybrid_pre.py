@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..nn.topologies import siamese_hybrid_attention, siamese_update
-from ._block import SIAMESE_KNOBS, TwoStreamBlock, validate_siamese
+from ._block import SIAMESE_KNOBS, TwoStreamBlock
 from .hybrid import QKVHeadNormAttention, validate_qkv_head_norms
 from .spec import Variant, fail, knob
 
@@ -73,7 +73,6 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
 
 def validate(config, model_type: str) -> None:
     validate_qkv_head_norms(config, model_type)
-    validate_siamese(config, model_type)
     if not config.layer_norm_with_affine:
         fail("MODEL_TYPE hybrid_pre learns its stream-mixing through norm scales; "
              "set model.layer_norm_with_affine to true.")

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from ..nn.topologies import SINKHORN_ORDERS, ManifoldHyperConnection
 from ._block import ConnectedStreamsBlock
-from .spec import Knob, Variant, fail, knob
+from .spec import Knob, Variant, knob
 
 __all__ = ["ManifoldHyperConnectionBlock", "VARIANT"]
 
@@ -53,26 +53,14 @@ class ManifoldHyperConnectionBlock(ConnectedStreamsBlock):
         return [1.0 / self.n_streams] * self.n_streams
 
 
-def validate(config, model_type: str) -> None:
-    n = knob(config, "mhc_expansion_rate")
-    if not isinstance(n, int) or n < 1:
-        fail(f"model.mhc_expansion_rate must be a whole number >= 1 (got {n!r}); mHC uses 4.")
-    iters = knob(config, "mhc_sinkhorn_iterations")
-    if not isinstance(iters, int) or iters < 1:
-        fail(f"model.mhc_sinkhorn_iterations must be a whole number >= 1 (got {iters!r}); mHC uses 20.")
-    order = knob(config, "mhc_sinkhorn_order")
-    if order not in SINKHORN_ORDERS:
-        fail(f"model.mhc_sinkhorn_order {order!r} is unknown; use one of: {', '.join(SINKHORN_ORDERS)}.")
-
-
 VARIANT = Variant(
     name="mhc", display_name="mHC", colour="black", block=ManifoldHyperConnectionBlock, order=10, table_row=10,
-    validate=validate,
     knobs=(
-        Knob("mhc_expansion_rate", 4, doc="Number of residual streams n (the mHC paper's 4)."),
-        Knob("mhc_sinkhorn_iterations", 20,
+        Knob("mhc_expansion_rate", 4, minimum=1, usual="mHC uses 4",
+             doc="Number of residual streams n (the mHC paper's 4)."),
+        Knob("mhc_sinkhorn_iterations", 20, minimum=1, usual="mHC uses 20",
              doc="Sinkhorn-Knopp iterations that make each residual mixing matrix doubly stochastic."),
-        Knob("mhc_sinkhorn_order", "columns_first", legacy="rows_first",
+        Knob("mhc_sinkhorn_order", "columns_first", legacy="rows_first", choices=SINKHORN_ORDERS,
              doc="The order within one Sinkhorn iteration, see siamesenorm.nn.SINKHORN_ORDERS (default: the mHC "
                  "paper's)."),
     ),

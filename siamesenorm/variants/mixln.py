@@ -16,7 +16,7 @@ from olmo.config import ModelConfig
 from olmo.model import OLMoSequentialBlock
 
 from .post import PostNormBlock
-from .spec import Knob, Variant, fail, knob
+from .spec import Knob, Variant, knob
 
 __all__ = ["MixLNBlock", "mixln_post_layers", "VARIANT"]
 
@@ -41,15 +41,8 @@ class MixLNBlock(PostNormBlock):
         )
 
 
-def validate(config, model_type: str) -> None:
-    frac = knob(config, "mixln_post_fraction")
-    if not isinstance(frac, (int, float)) or not 0.0 <= frac <= 1.0:
-        fail(f"model.mixln_post_fraction must be a number in [0, 1] (got {frac!r}); Mix-LN uses 0.25.")
-
-
 VARIANT = Variant(
     name="mixln", display_name="Mix-LN", colour="tab:gray", block=MixLNBlock, order=8, table_row=5,
-    knobs=(Knob("mixln_post_fraction", 0.25, type=float,
+    knobs=(Knob("mixln_post_fraction", 0.25, type=float, minimum=0, maximum=1, usual="Mix-LN uses 0.25",
                 doc="The first floor(fraction * n_layers) layers are Post-LN, the rest Pre-LN (Mix-LN's 0.25)."),),
-    validate=validate,
 )

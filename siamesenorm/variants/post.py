@@ -17,7 +17,7 @@ from typing import Optional
 
 from ..nn.topologies import NORM_POSITIONS, post_norm_update
 from ._block import TopologyBlock
-from .spec import Knob, Variant, fail, knob
+from .spec import Knob, Variant, knob
 
 __all__ = ["PostNormBlock", "VARIANT"]
 
@@ -42,16 +42,9 @@ class PostNormBlock(TopologyBlock):
         return self.post_norm_forward(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
 
 
-def validate(config, model_type: str) -> None:
-    position = knob(config, "post_norm_position")
-    if position not in NORM_POSITIONS:
-        fail(f"model.post_norm_position {position!r} is unknown; use one of: {', '.join(NORM_POSITIONS)}.")
-
-
 VARIANT = Variant(
     name="post", display_name="Post-Norm", colour="tab:orange", block=PostNormBlock, order=1, table_row=3,
-    knobs=(Knob("post_norm_position", "after_addition", legacy="after_addition",
+    knobs=(Knob("post_norm_position", "after_addition", legacy="after_addition", choices=NORM_POSITIONS,
                 doc='Where the norm sits, see siamesenorm.nn.NORM_POSITIONS. Default: paper eq. 2 (classic '
                     'Post-LN); "before_sublayer" is the HybridNorm OLMo fork\'s Post-Norm switch.'),),
-    validate=validate,
 )

@@ -33,8 +33,8 @@ Pre-Norm (RMSNorm, normalized input on); with every LN^Y scale zeroed it is Post
 from __future__ import annotations
 
 from ..nn.topologies import NORM_POSITIONS, siamese_update
-from ._block import SIAMESE_KNOBS, TwoStreamBlock, validate_siamese
-from .spec import Knob, Variant, fail, knob
+from ._block import SIAMESE_KNOBS, TwoStreamBlock
+from .spec import Knob, Variant, knob
 
 __all__ = ["SiamesePostPreBlock", "VARIANT"]
 
@@ -78,18 +78,11 @@ class SiamesePostPreBlock(TwoStreamBlock):
         return {"attention": (x_attn, self.attn_norm_y), "mlp": (self.attn_norm_x, self.ff_norm_y)}
 
 
-def validate(config, model_type: str) -> None:
-    validate_siamese(config, model_type)
-    position = knob(config, "post_pre_x_norm_position")
-    if position not in NORM_POSITIONS:
-        fail(f"model.post_pre_x_norm_position {position!r} is unknown; use one of: {', '.join(NORM_POSITIONS)}.")
-
-
 VARIANT = Variant(
     name="post_pre", display_name="SiameseNorm (Post-Norm + Pre-Norm)", colour="tab:olive", block=SiamesePostPreBlock,
-    order=4, table_row=11, validate=validate,
+    order=4, table_row=11,
     knobs=SIAMESE_KNOBS + (
-        Knob("post_pre_x_norm_position", "before_sublayer", legacy="after_addition",
+        Knob("post_pre_x_norm_position", "before_sublayer", legacy="after_addition", choices=NORM_POSITIONS,
              doc="Where LN^X of the bounded stream sits, see siamesenorm.nn.NORM_POSITIONS. Default: the official "
                  "DeiT/DiT SiameseNorm Block (LN^X at the start of each sublayer); \"after_addition\" is the "
                  "paper's section-3 text."),

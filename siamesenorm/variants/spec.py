@@ -26,9 +26,31 @@ class Knob:
     legacy: Any = UNSET
     #: The type of the config field (OmegaConf checks values against it).
     type: Any = None
+    #: Declared checks, run for the knob's variants by siamesenorm.config.validate_model_config (``check``):
+    #: the value must be one of ``choices``; or a number >= ``minimum`` (and <= ``maximum``), a whole number when
+    #: the default is one.
+    choices: Optional[Tuple[Any, ...]] = None
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    #: What the source uses, said when a check fails ("the paper uses 2").
+    usual: str = ""
 
     def field_type(self):
         return self.type if self.type is not None else type(self.default)
+
+    def check(self, value: Any) -> Optional[str]:
+        """The one sentence that says what to change when ``value`` fails a declared check, else None."""
+        if self.choices is not None and value not in self.choices:
+            return f"model.{self.name} {value!r} is unknown; use one of: {', '.join(map(str, self.choices))}."
+        if self.minimum is None:
+            return None
+        whole = isinstance(self.default, int) and not isinstance(self.default, bool)
+        number = not isinstance(value, bool) and isinstance(value, int if whole else (int, float))
+        if number and value >= self.minimum and (self.maximum is None or value <= self.maximum):
+            return None
+        bounds = f">= {self.minimum:g}" if self.maximum is None else f"in [{self.minimum:g}, {self.maximum:g}]"
+        usual = f"; {self.usual}" if self.usual else ""
+        return f"model.{self.name} must be {'a whole number' if whole else 'a number'} {bounds} (got {value!r}){usual}."
 
 
 @dataclass(frozen=True)
