@@ -179,28 +179,35 @@ def _is_llama_export(path: Path) -> bool:
 def export(path: Union[str, Path], out: Union[str, Path], overwrite: bool = False,
            dtype: Optional[torch.dtype] = None, format: str = "auto") -> Path:
     """Write a transformers folder for the run or checkpoint at ``path``; returns the checkpoint it came from.
-    ``format``: ``siamesenorm`` (any MODEL_TYPE; loading needs this package), ``llama`` (a plain
-    ``LlamaForCausalLM`` folder: pre only, refused in one line otherwise) or ``auto`` (llama when exact, else
-    siamesenorm). An existing non-empty ``out`` is refused unless ``overwrite``."""
+    ``format``: ``siamesenorm`` (any MODEL_TYPE, with its modelling code: transformers alone loads it with
+    ``trust_remote_code=True``), ``llama`` (a plain ``LlamaForCausalLM`` folder: pre only, refused in one line
+    otherwise) or ``auto`` (llama when exact, else siamesenorm). An existing non-empty ``out`` is refused unless ``overwrite``."""
+    _check_arguments(Path(out), overwrite, format)  # before the (slow) load
+    model, tokenizer, folder = from_run(path)
+    write_export(model, tokenizer, folder, out, dtype=dtype, format=format, overwrite=overwrite)
+    return folder
+
+
+def _check_arguments(out: Path, overwrite: bool, format: str) -> None:
     if format not in ("auto", "siamesenorm", "llama"):
         raise ValueError(f"format {format!r}: use auto, siamesenorm or llama")
-    out = Path(out)
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it, or another folder.")
         if not (is_export(out) or _is_llama_export(out)):
-            raise FileExistsError(f"{out} is not an earlier export (no siamesenorm config.json); refusing to delete it.")
-    model, tokenizer, folder = from_run(path)
-    write_export(model, tokenizer, folder, out, dtype=dtype, format=format)
-    return folder
+            raise FileExistsError(f"{out} is not an earlier export (no siamesenorm config.json); refusing to "
+                                  "delete it.")
 
 
 def write_export(model: SiameseOlmoForCausalLM, tokenizer: Optional[PreTrainedTokenizerFast], source: Path,
-                 out: Union[str, Path], dtype: Optional[torch.dtype] = None, format: str = "auto") -> str:
-    """Write the transformers folder ``out`` (replaced if it exists) for ``model``; returns the format written
+                 out: Union[str, Path], dtype: Optional[torch.dtype] = None, format: str = "auto",
+                 overwrite: bool = False) -> str:
+    """Write the transformers folder ``out`` for ``model`` (an earlier export there is replaced with
+    ``overwrite``; anything else is refused); returns the format written
     (``llama`` or ``siamesenorm``). A siamesenorm folder carries its modelling code (siamesenorm.remote) and the
     ``auto_map`` naming it, unless an option has none (``remote_refusal``; the card says which)."""
     out = Path(out)
+    _check_arguments(out, overwrite, format)
     source_config = model.config
     refusal = llama_refusal(source_config.olmo)
     if format == "llama" and refusal:
