@@ -25,7 +25,9 @@ def declared_variants() -> Tuple[Tuple[str, str], ...]:
             if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "Variant":
                 fields = {k.arg: k.value for k in node.keywords if k.arg in ("name", "display_name", "order")}
                 values = {k: ast.literal_eval(v) for k, v in fields.items()}
-                found.append((values["order"], values["name"], values["display_name"]))
+                order = values.get("order")  # as the registry sorts: placed by number, then the rest by name
+                found.append(((order is None, order or 0, values["name"]), values["name"],
+                              values.get("display_name") or values["name"]))
     return tuple((name, display) for _, name, display in sorted(found))
 
 

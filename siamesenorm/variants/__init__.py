@@ -7,13 +7,14 @@ not ``spec``) must define ``VARIANT``. Adding a variant is one new file (plus it
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import pkgutil
 from typing import Dict
 
 from .spec import Knob, Variant
 
-__all__ = ["VARIANTS", "KNOBS", "KNOB_OWNERS", "Variant", "Knob"]
+__all__ = ["VARIANTS", "KNOBS", "KNOB_OWNERS", "TABLE_ORDER", "Variant", "Knob"]
 
 
 def _discover() -> Dict[str, Variant]:
@@ -27,15 +28,36 @@ def _discover() -> Dict[str, Variant]:
             raise ImportError(
                 f"siamesenorm/variants/{info.name}.py must define VARIANT = Variant(name={info.name!r}, ...)")
         found.append(variant)
-    found.sort(key=lambda v: v.order)
-    expected = list(range(len(found)))
-    if [v.order for v in found] != expected or sorted(v.table_row for v in found) != expected:
-        raise ImportError("siamesenorm/variants: each VARIANT needs its own order and table_row, 0 .. n-1 with no gap")
-    return {v.name: v for v in found}
+    for attr in ("order", "table_row"):
+        placed = [getattr(v, attr) for v in found if getattr(v, attr) is not None]
+        if len(placed) != len(set(placed)):
+            twice = sorted({p for p in placed if placed.count(p) > 1})
+            raise ImportError(f"siamesenorm/variants: two VARIANTs share {attr} {twice[0]:g}; each needs its own "
+                              f"{attr} (or none: then it goes after the placed ones)")
+    found.sort(key=lambda v: _position(v, "order"))
+    used = {v.colour for v in found if v.colour}
+    spare = [c for c in SPARE_COLOURS if c not in used]
+    resolved = []
+    for v in found:  # the defaults: the MODEL_TYPE as its display name, a colour no other variant uses
+        colour = v.colour or (spare.pop(0) if spare else "tab:gray")
+        resolved.append(dataclasses.replace(v, display_name=v.display_name or v.name, colour=colour))
+    return {v.name: v for v in resolved}
 
 
-#: MODEL_TYPE -> Variant, in the documented order.
+def _position(variant: Variant, attr: str):
+    """Sort key: the placed ones by their number, then the unplaced ones by name."""
+    value = getattr(variant, attr)
+    return (value is None, value if value is not None else 0, variant.name)
+
+
+#: Colours for variants that name none (figures: dashed, as every non-tab: colour).
+SPARE_COLOURS = ("teal", "darkgoldenrod", "slateblue", "olivedrab", "firebrick", "indigo", "darkcyan", "sienna")
+
+
+#: MODEL_TYPE -> Variant, in the documented order (display names and colours filled in).
 VARIANTS: Dict[str, Variant] = _discover()
+#: The MODEL_TYPEs in the tables' row order.
+TABLE_ORDER = tuple(v.name for v in sorted(VARIANTS.values(), key=lambda v: _position(v, "table_row")))
 
 #: Every knob by name (a knob shared by several variants, e.g. SiameseNorm's, is one Knob object).
 KNOBS: Dict[str, Knob] = {}

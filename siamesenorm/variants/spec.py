@@ -58,14 +58,15 @@ class Variant:
     """Everything about one MODEL_TYPE. ``block`` None means OLMo's own block (``pre``)."""
 
     name: str
-    #: The name the paper's tables use.
-    display_name: str
-    #: Its colour in every figure (a matplotlib colour).
-    colour: str
-    block: Optional[type]
-    #: Position in MODEL_TYPES (the order the docs and ``--help`` list the variants) and row in the tables.
-    order: int
-    table_row: int
+    #: The name the paper's tables use ("": the MODEL_TYPE itself).
+    display_name: str = ""
+    #: Its colour in every figure (a matplotlib colour; "": the registry picks one no other variant uses).
+    colour: str = ""
+    block: Optional[type] = None
+    #: Position in MODEL_TYPES (the order the docs and ``--help`` list the variants) and in the tables: any numbers,
+    #: each used once; None (a new variant) places it after every placed one, by name.
+    order: Optional[float] = None
+    table_row: Optional[float] = None
     knobs: Tuple[Knob, ...] = ()
     #: ``validate(config)`` raises (via ``fail``) with one sentence saying what to change; the checks that every
     #: non-pre variant shares live in siamesenorm.config.validate_model_config.
