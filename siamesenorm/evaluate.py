@@ -123,6 +123,8 @@ def evaluate(source: str | Path, settings: EvalSettings) -> Dict[str, Any]:
     from olmo.eval import build_evaluator
     from olmo.train import Trainer
 
+    from .runconfig import check_token_files
+
     _check_tasks(settings.tasks)
     for pattern in settings.tokens:
         if not glob.glob(pattern):
@@ -144,8 +146,9 @@ def evaluate(source: str | Path, settings: EvalSettings) -> Dict[str, Any]:
         evaluators.append(build_evaluator(cfg, eval_cfg, tokenizer, device))
     if settings.tokens:
         paths = sorted({p for pattern in settings.tokens for p in glob.glob(pattern)})
-        data = DataConfig(paths=paths, datasets=None, drop_last=False, num_workers=0,
-                          memmap_dtype=_memmap_dtype(cfg, paths))
+        dtype = _memmap_dtype(cfg, paths)
+        check_token_files(paths, dtype, cfg.model.vocab_size)  # what a run checks: sizes, dtype, token ids
+        data = DataConfig(paths=paths, datasets=None, drop_last=False, num_workers=0, memmap_dtype=dtype)
         eval_cfg = EvaluatorConfig(label="val", type=EvaluatorType.lm, data=data,
                                    subset_num_batches=settings.max_batches, device_eval_batch_size=settings.batch_size)
         evaluators.append(build_evaluator(cfg, eval_cfg, tokenizer, device))
@@ -156,7 +159,7 @@ def evaluate(source: str | Path, settings: EvalSettings) -> Dict[str, Any]:
     record.update(downstream=downstream, perplexity=perplexity)
     if "val" in perplexity:
         record["val_perplexity"] = perplexity["val"]
-    elif settings.tokens == ():
+    else:
         record.pop("val_perplexity", None)  # the run's own is a different measurement; not mixed in
     record["evaluation"] = {"source": str(source), "tasks": list(settings.tasks), "tokens": list(settings.tokens),
                             "max_batches": settings.max_batches, "batch_size": settings.batch_size}
@@ -164,11 +167,13 @@ def evaluate(source: str | Path, settings: EvalSettings) -> Dict[str, Any]:
 
 
 def _memmap_dtype(cfg, paths: List[str]) -> str:
-    """The token files' dtype: their manifest's, else the run's data config's, else uint16."""
-    for path in paths:
-        manifest = Path(path).parent.parent / "manifest.json"
-        if manifest.is_file():
-            return json.loads(manifest.read_text()).get("memmap_dtype", "uint16")
+    """The token files' dtype: their manifest's (the folder scripts/prepare_data.py wrote), else the run's data
+    config's, else uint16."""
+    from .runconfig import _manifest_for
+
+    found = _manifest_for(Path(paths[0]))
+    if found is not None and found[0].get("memmap_dtype"):
+        return found[0]["memmap_dtype"]
     return str(getattr(cfg.data, "memmap_dtype", None) or "uint16")
 
 
