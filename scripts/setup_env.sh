@@ -7,7 +7,8 @@ if [ "${BASH_SOURCE[0]}" = "$0" ] && [ $# -gt 0 ]; then  # run, not sourced: onl
     -h|--help)
       echo "usage: bash scripts/setup_env.sh"
       echo "Creates .venv (or \$VENV) with \$PYTHON (default python3) and installs this project with its pinned"
-      echo "dependencies (pyproject.toml), again only when pyproject.toml changes. scripts/quickstart.sh and"
+      echo "dependencies (pyproject.toml), again only when pyproject.toml changes; OLMo-core 3 for the OLMo-core path"
+      echo "comes in a second step (pyproject.toml, [tool.siamesenorm], says why). scripts/quickstart.sh and"
       echo "scripts/test.sh source it; 'source scripts/setup_env.sh' also puts the environment on PATH."
       exit 0 ;;
     *) echo "setup_env.sh: unknown argument '$1'; it takes none (see --help)" >&2; exit 2 ;;
@@ -25,9 +26,14 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[setup] installing siamesenorm and its pinned dependencies into $VENV (a few minutes the first time;"
   echo "[setup] the list below is pip's progress, one line per package)"
   "$VENV/bin/python" -m pip install --quiet --upgrade pip 2>&1 | grep -E "^(ERROR|error)" || true
-  "$VENV/bin/python" -m pip install --progress-bar off -e "$ROOT[dev]" 2>&1 \
+  "$VENV/bin/python" -m pip install --progress-bar off -e "$ROOT[dev,olmo-core]" 2>&1 \
     | grep --line-buffered -E "^(Collecting|Successfully installed|ERROR|error)" | sed -u 's/^/[setup] /' || true
-  "$VENV/bin/python" -c "import siamesenorm, olmo, transformers" \
+  # OLMo-core 3 beside ai2-olmo 0.6.0, whose pin of ai2-olmo-core 0.1.0 it replaces (pyproject.toml, [tool.siamesenorm])
+  CORE_PIN="$("$VENV/bin/python" -c "import sys, tomllib; print(tomllib.load(open(sys.argv[1], 'rb'))['tool']['siamesenorm']['olmo-core'])" "$ROOT/pyproject.toml")"
+  echo "[setup] $CORE_PIN for the OLMo-core path (without dependencies: it replaces ai2-olmo's pin of 0.1.0)"
+  "$VENV/bin/python" -m pip install --progress-bar off --no-deps "$CORE_PIN" 2>&1 \
+    | grep --line-buffered -E "^(Successfully installed|ERROR: (Could|No matching))" | sed -u 's/^/[setup] /' || true
+  "$VENV/bin/python" -c "import siamesenorm, olmo, transformers, siamesenorm.olmo_core.config" \
     || { echo "[setup] the install failed; see pip's messages above" >&2; exit 1; }
   echo "$WANT" > "$STAMP"
   echo "[setup] done"

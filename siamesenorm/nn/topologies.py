@@ -13,9 +13,10 @@ into one tensor for the host's final norm and head.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
-from typing import Callable, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -23,7 +24,7 @@ import torch.nn as nn
 __all__ = ["PreNorm", "PostNorm", "HybridNorm", "SiameseNorm", "SiameseFusion", "HyperConnection",
            "HyperConnections", "ManifoldHyperConnection", "ManifoldHyperConnections", "post_norm_update",
            "hybrid_norm_update", "siamese_input", "siamese_update", "siamese_hybrid_attention", "depth_divisor", "sinkhorn",
-           "expand_streams", "NORM_POSITIONS", "DEPTH_SCALING_FORMS", "SINKHORN_ORDERS"]
+           "expand_streams", "StackedStreams", "NORM_POSITIONS", "DEPTH_SCALING_FORMS", "SINKHORN_ORDERS"]
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
 Norm = Callable[[torch.Tensor], torch.Tensor]
@@ -280,6 +281,63 @@ class SiameseFusion(nn.Module):
 def expand_streams(x: torch.Tensor, n: int) -> torch.Tensor:
     """(..., d) -> (..., n, d): the embedding copied into n streams (a view, no copy)."""
     return x.unsqueeze(-2).expand(*x.shape[:-1], n, x.shape[-1])
+
+
+class StackedStreams:
+    """The stacked-stream state of a block, whatever the host framework: n streams carried concatenated on the
+    feature axis, (B, T, n * d), so that a block maps one tensor to one tensor. Block 0 widens the embedding into
+    n streams, the last block fuses them back to (B, T, d) for the host's final norm and head.
+
+    A host block sets ``n_streams``, ``is_first``, ``is_last`` and ``_captured`` (None), and has ``norm(module, x)``
+    (the adapters of siamesenorm/variants/ and siamesenorm/olmo_core/ do).
+    """
+
+    n_streams: int = 1
+    is_first: bool = False
+    is_last: bool = False
+    _captured: Optional[list] = None
+
+    def split_streams(self, x: torch.Tensor) -> List[torch.Tensor]:
+        """(B, T, n * d) -> n tensors (B, T, d); block 0 receives the embedding and copies it into every stream."""
+        if self.is_first:
+            return [x] * self.n_streams
+        return list(x.chunk(self.n_streams, dim=-1))
+
+    def stacked(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, n * d) -> (B, T, n, d), the layout the connections mix; block 0 widens the embedding (a view)."""
+        return expand_streams(x, self.n_streams) if self.is_first else x.unflatten(-1, (self.n_streams, -1))
+
+    @contextlib.contextmanager
+    def capturing_streams(self):
+        """Within the block, each forward of this (last) block appends its streams, just before it fuses them, to
+        the yielded list (the analysis tools' lens and stream magnitudes)."""
+        self._captured = []
+        try:
+            yield self._captured
+        finally:
+            self._captured = None
+
+    def contributions(self, streams: List[torch.Tensor]) -> List[torch.Tensor]:
+        """What each stream adds to the fused state that the host's final norm receives (the last block fuses)."""
+        return streams
+
+    def fusion_weights(self) -> List[float]:
+        """The scale each stream enters the fusion with (mean of its output norm's weight, or a constant)."""
+        return [1.0] * self.n_streams
+
+    def finish(self, streams: List[torch.Tensor]) -> torch.Tensor:
+        """End of a block: stack the streams, or, in the last block, fuse them (sum of their contributions)."""
+        if not self.is_last:
+            return torch.cat(streams, dim=-1) if len(streams) > 1 else streams[0]
+        if self._captured is not None:
+            self._captured.append([s.detach() for s in streams])
+        parts = self.contributions(streams)
+        return sum(parts[1:], parts[0])
+
+    def skip(self, x: torch.Tensor) -> torch.Tensor:
+        """This block with its sublayers removed (the depth probe): the streams pass through unchanged, widened
+        where this block widens the state and fused where it fuses."""
+        return self.finish(self.split_streams(x))
 
 
 def depth_connection(carried: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

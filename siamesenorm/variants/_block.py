@@ -11,7 +11,6 @@ sees one tensor and works unchanged.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Callable, List, Optional, Tuple
 
@@ -21,7 +20,7 @@ from torch.utils.checkpoint import checkpoint
 from olmo.config import ModelConfig
 from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
 
-from ..nn.topologies import DEPTH_SCALING_FORMS, depth_connection, depth_divisor, expand_streams
+from ..nn.topologies import DEPTH_SCALING_FORMS, StackedStreams, depth_connection, depth_divisor
 from .spec import Knob, knob
 
 __all__ = ["TopologyBlock", "ConnectedStreamsBlock", "TwoStreamBlock", "SIAMESE_KNOBS", "depth_scale",
@@ -83,7 +82,7 @@ class _Absent:
         pass
 
 
-class TopologyBlock(OLMoSequentialBlock):
+class TopologyBlock(StackedStreams, OLMoSequentialBlock):
     """OLMo's sequential block with its forward replaced by a topology; its weights and attention are reused.
 
     Subclasses write ``forward``, name their streams (``STREAMS``, or ``streams_for`` when the count is a knob) and
@@ -190,49 +189,6 @@ class TopologyBlock(OLMoSequentialBlock):
         if self._activation_checkpoint_fn is not None:
             return self._activation_checkpoint_fn(fn, *args)
         return recompute_call(fn, *args) if self.recompute_cheap else fn(*args)
-
-    # ---- stacked streams --------------------------------------------------------------------------------
-    def split_streams(self, x: torch.Tensor) -> List[torch.Tensor]:
-        """(B, T, n * d) -> n tensors (B, T, d); block 0 receives the embedding and copies it into every stream."""
-        if self.is_first:
-            return [x] * self.n_streams
-        return list(x.chunk(self.n_streams, dim=-1))
-
-    def stacked(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, n * d) -> (B, T, n, d), the layout the connections mix; block 0 widens the embedding (a view)."""
-        return expand_streams(x, self.n_streams) if self.is_first else x.unflatten(-1, (self.n_streams, -1))
-
-    @contextlib.contextmanager
-    def capturing_streams(self):
-        """Within the block, each forward of this (last) block appends its streams, just before it fuses them, to
-        the yielded list (the analysis tools' lens and stream magnitudes)."""
-        self._captured = []
-        try:
-            yield self._captured
-        finally:
-            self._captured = None
-
-    def contributions(self, streams: List[torch.Tensor]) -> List[torch.Tensor]:
-        """What each stream adds to the fused state that OLMo's final norm receives (the last block fuses)."""
-        return streams
-
-    def fusion_weights(self) -> List[float]:
-        """The scale each stream enters the fusion with (mean of its output norm's weight, or a constant)."""
-        return [1.0] * self.n_streams
-
-    def finish(self, streams: List[torch.Tensor]) -> torch.Tensor:
-        """End of a block: stack the streams, or, in the last block, fuse them (sum of their contributions)."""
-        if not self.is_last:
-            return torch.cat(streams, dim=-1) if len(streams) > 1 else streams[0]
-        if self._captured is not None:
-            self._captured.append([s.detach() for s in streams])
-        parts = self.contributions(streams)
-        return sum(parts[1:], parts[0])
-
-    def skip(self, x: torch.Tensor) -> torch.Tensor:
-        """This block with its sublayers removed (the depth probe): the streams pass through unchanged, widened
-        where this block widens the state and fused where it fuses."""
-        return self.finish(self.split_streams(x))
 
 
 class ConnectedStreamsBlock(TopologyBlock):

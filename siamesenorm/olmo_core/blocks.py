@@ -1,0 +1,389 @@
+"""Every MODEL_TYPE as an OLMo-core 3 transformer block: OLMo-core's own attention, feed-forward and norms, and the
+update rules of ``siamesenorm.nn`` (the functions the ai2-olmo adapters in siamesenorm/variants/ call, so each rule
+has one definition for both frameworks). The equations of each variant are in the docstring of its file in
+siamesenorm/variants/; the classes here only say which OLMo-core module plays which part.
+
+The state between blocks is the one tensor OLMo-core's model loop passes on (``StackedStreams``): n streams
+concatenated on the feature axis, widened from the embedding by block 0 and fused by the last block before
+OLMo-core's LM head (its final norm and output layer). Differences from the ai2-olmo blocks (docs/architecture.md):
+
+- names: OLMo-core's ``attention_norm`` / ``feed_forward_norm`` play OLMo's ``attn_norm`` / ``ff_norm``; the
+  variant's own parameters keep the ai2-olmo names (``attn_norm_x``, ``gamma``, ``attn_hc.static_alpha``, ...);
+  the attention and MLP weights are OLMo-core's (``w_q``/``w_k``/``w_v``/``w_out``, ``w1``/``w2``/``w3``).
+  ``siamesenorm.olmo_core.config`` maps state dicts both ways.
+- the cheap parts (norms, stream fusion and mixing) run directly: OLMo-core's own activation checkpointing modes
+  decide what is recomputed, not ``model.recompute_cheap``.
+- the hybrid family's per-head Q/K/V norms: OLMo-core's per-head Q and K norms (``use_head_qk_norm``) and a V norm
+  this module adds (``VHeadNormAttention``), all before RoPE as in HybridNorm.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import replace
+from types import SimpleNamespace
+from typing import Callable, Dict, Optional, Tuple, Type
+
+import torch
+import torch.nn as nn
+from olmo_core.nn.attention import Attention
+from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
+from olmo_core.nn.transformer.block import TransformerBlock
+
+from ..nn.topologies import (HyperConnection, ManifoldHyperConnection, StackedStreams, depth_connection,
+                             depth_divisor, hybrid_norm_update, post_norm_update, siamese_hybrid_attention,
+                             siamese_update)
+from ..variants.spec import knob
+
+__all__ = ["CoreTopologyBlock", "VHeadNormAttention", "CORE_BLOCKS", "core_block_class"]
+
+Branch = Callable[[torch.Tensor], torch.Tensor]
+
+
+class CoreTopologyBlock(StackedStreams, TransformerBlock):
+    """OLMo-core's ``TransformerBlock`` (its attention, feed-forward and two norms) with the forward of a topology.
+
+    ``knobs``: the variant knobs (a dict; a missing knob has its default). Subclasses write ``forward`` with
+    ``self.attend(kwargs)`` and ``self.mlp`` as the core's branches, and list the OLMo-core norms they do not use."""
+
+    STREAMS: Tuple[str, ...] = ("residual",)
+
+    def __init__(self, *, knobs: Optional[dict] = None, **kwargs):
+        super().__init__(**kwargs)
+        self.knobs = SimpleNamespace(**(knobs or {}))
+        self._layer_norm: LayerNormConfig = kwargs["layer_norm"]
+        self._init_device = kwargs.get("init_device", "cpu")
+        self.branch_dropout = nn.Dropout(kwargs.get("dropout") or 0.0)
+        self.stream_names = self.streams_for(self.knobs)
+        self.n_streams = len(self.stream_names)
+        self.is_first = self.block_idx == 0
+        self.is_last = self.block_idx == self.n_layers - 1
+        self._captured = None
+        for name in self.unused_norms(self.knobs, self.block_idx):
+            delattr(self, name)
+
+    @classmethod
+    def streams_for(cls, knobs) -> Tuple[str, ...]:
+        return cls.STREAMS
+
+    @classmethod
+    def unused_norms(cls, knobs, block_idx: int) -> Tuple[str, ...]:
+        """OLMo-core norms (``attention_norm``, ``feed_forward_norm``) this topology does not use in this block."""
+        return ()
+
+    def knob(self, name: str):
+        return knob(self.knobs, name)
+
+    def new_norm(self, size: Optional[int] = None, elementwise_affine: Optional[bool] = None) -> nn.Module:
+        """A norm like the block's others (the config's ``layer_norm``), of ``size`` (default d_model)."""
+        config = self._layer_norm if elementwise_affine is None else replace(self._layer_norm,
+                                                                            elementwise_affine=elementwise_affine)
+        return config.build(size or self.d_model, init_device=self._init_device)
+
+    # ---- the host's sublayers as the core's branches -----------------------------------------------------------
+    def attend(self, kwargs: dict, out_norm: Optional[nn.Module] = None) -> Branch:
+        """branch(h) = dropout(Attn(h)) with OLMo-core's attention and this forward's keyword arguments (RoPE
+        buffers, document lengths); ``out_norm`` (if given) normalises the output first."""
+        return functools.partial(self._attention_branch, kwargs, out_norm)
+
+    def _attention_branch(self, kwargs: dict, out_norm: Optional[nn.Module], h: torch.Tensor) -> torch.Tensor:
+        out = self.attention(h, **kwargs)
+        return self.branch_dropout(out_norm(out) if out_norm is not None else out)
+
+    def mlp(self, h: torch.Tensor, out_norm: Optional[nn.Module] = None) -> torch.Tensor:
+        out = self.feed_forward(h)
+        return self.branch_dropout(out_norm(out) if out_norm is not None else out)
+
+    def norm(self, module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+        return module(x)
+
+    def pre_norm_forward(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+        """OLMo-core's own block: x + Attn(LN(x)), then x + MLP(LN(x))."""
+        x = x + self.attend(kwargs)(self.attention_norm(x))
+        return x + self.mlp(self.feed_forward_norm(x))
+
+
+class VHeadNormAttention(Attention):
+    """OLMo-core's attention with a per-head norm on V as well (``v_norm``), for HybridNorm's Q/K/V norms: Q and K
+    use OLMo-core's per-head norms (``use_head_qk_norm``), all three before RoPE (which leaves V alone)."""
+
+    v_norm: nn.Module
+
+    def _prepare_qkv(self, x: torch.Tensor, **kwargs):
+        q, k, v = super()._prepare_qkv(x, **kwargs)
+        return q, k, self.v_norm(v)
+
+
+def _add_v_head_norm(block: CoreTopologyBlock) -> None:
+    if type(block.attention) is not Attention or not block.attention.use_head_qk_norm or block.attention.q_norm is None:
+        raise ValueError("the HybridNorm family needs OLMo-core's default attention with per-head Q/K norms "
+                         "(sequence_mixer: qk_norm set, use_head_qk_norm: true); siamesenorm.olmo_core."
+                         "transformer_config sets both")
+    block.attention.__class__ = VHeadNormAttention  # adds only _prepare_qkv's V norm; same module otherwise
+    affine = block.attention.q_norm.weight is not None
+    block.attention.v_norm = block.new_norm(block.attention.head_dim, elementwise_affine=affine)
+
+
+# ---- one class per MODEL_TYPE (pre is OLMo-core's own TransformerBlock) ------------------------------------------
+class PostNormBlock(CoreTopologyBlock):
+    residual_scale: float = 1.0
+    position_knob: Optional[str] = "post_norm_position"
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        position = self.knob(self.position_knob) if self.position_knob is not None else "after_addition"
+        x = post_norm_update(x, self.attend(kwargs), self.attention_norm, position, self.residual_scale)
+        return post_norm_update(x, self.mlp, self.feed_forward_norm, position, self.residual_scale)
+
+
+class DeepNormBlock(PostNormBlock):
+    position_knob = None
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        from ..variants.deepnorm import deepnorm_alpha, deepnorm_beta
+
+        self.residual_scale = deepnorm_alpha(self.n_layers)
+        self.init_scale = deepnorm_beta(self.n_layers)
+
+    def scale_init(self) -> None:
+        """DeepNorm's beta on the V, output and MLP weights, after OLMo-core's init (``init_variant_weights``)."""
+        with torch.no_grad():
+            for linear in (self.attention.w_v, self.attention.w_out, self.feed_forward.w1, self.feed_forward.w3,
+                           self.feed_forward.w2):
+                linear.weight.mul_(self.init_scale)
+
+
+class MixLNBlock(PostNormBlock):
+    position_knob = None
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        post_layers = math.floor(self.knob("mixln_post_fraction") * self.n_layers + 1e-9)
+        if self.block_idx < post_layers:
+            return super().forward(x, **kwargs)
+        return self.pre_norm_forward(x, kwargs)
+
+
+class HybridNormBlock(CoreTopologyBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        _add_v_head_norm(self)
+
+    @classmethod
+    def unused_norms(cls, knobs, block_idx):
+        return ("attention_norm",)  # the Q/K/V norms replace the attention's input norm
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        x = hybrid_norm_update(x, self.attend(kwargs))
+        return hybrid_norm_update(x, self.mlp, self.feed_forward_norm)
+
+
+class HybridStarBlock(HybridNormBlock):
+    @classmethod
+    def unused_norms(cls, knobs, block_idx):
+        return () if block_idx == 0 else ("attention_norm",)
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        if not self.is_first:
+            return super().forward(x, **kwargs)
+        return self.pre_norm_forward(x, kwargs)
+
+
+class PeriNormBlock(CoreTopologyBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attn_out_norm = self.new_norm()
+        self.ff_out_norm = self.new_norm()
+        if self.is_first:
+            self.emb_norm = self.new_norm()
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        if self.is_first:
+            x = self.emb_norm(x)
+        x = x + self.attend(kwargs, out_norm=self.attn_out_norm)(self.attention_norm(x))
+        return x + self.mlp(self.feed_forward_norm(x), out_norm=self.ff_out_norm)
+
+    def skip(self, x):
+        return self.emb_norm(x) if self.is_first else x
+
+
+class PreEmbedNormBlock(CoreTopologyBlock):
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if self.is_first:  # RMSNorm without a scale, whatever the config's norm type (as the ai2-olmo block)
+            self.emb_norm = LayerNormConfig(name=LayerNormType.rms, eps=self._layer_norm.eps, elementwise_affine=False,
+                                            bias=False).build(self.d_model, init_device=self._init_device)
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        if self.is_first:
+            x = self.emb_norm(x)
+        return self.pre_norm_forward(x, kwargs)
+
+    def skip(self, x):
+        return self.emb_norm(x) if self.is_first else x
+
+
+class ResiDualBlock(CoreTopologyBlock):
+    STREAMS = ("post_ln", "accumulator")
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        if self.is_last:
+            self.out_norm_dual = self.new_norm()
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        xs, ds = self.split_streams(x)
+        for branch, norm in ((self.attend(kwargs), self.attention_norm), (self.mlp, self.feed_forward_norm)):
+            o = branch(xs)
+            xs = norm(xs + o)  # X: Post-LN
+            ds = ds + o  # D collects the raw sublayer output
+        return self.finish([xs, ds])
+
+    def contributions(self, streams):  # X + LN^D(D)
+        xs, ds = streams
+        return [xs, self.out_norm_dual(ds)]
+
+
+class TwoStreamBlock(CoreTopologyBlock):
+    """Both SiameseNorm blocks: c(l) and the final fusion LN^out_X(X) + LN^out_Y(Y) in the last block."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.depth_scale = (depth_divisor(self.block_idx, self.knob("siamese_depth_scaling_form"))
+                            if self.knob("siamese_depth_scaling") else 1.0)
+        if self.is_last:
+            self.out_norm_x = self.new_norm()
+            self.out_norm_y = self.new_norm()
+
+    def contributions(self, streams):
+        x_stream, y_stream = streams
+        return [self.out_norm_x(x_stream), self.out_norm_y(y_stream)]
+
+
+class SiamesePostPreBlock(TwoStreamBlock):
+    STREAMS = ("x_post", "y_pre")
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.attn_norm_x, self.attn_norm_y = self.new_norm(), self.new_norm()
+        self.ff_norm_x, self.ff_norm_y = self.new_norm(), self.new_norm()
+
+    @classmethod
+    def unused_norms(cls, knobs, block_idx):
+        # attention_norm / feed_forward_norm are LN^in, the normalized-input norms
+        return () if knob(knobs, "siamese_normalized_input") else ("attention_norm", "feed_forward_norm")
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        xs, ys = self.split_streams(x)
+        normalized = self.knob("siamese_normalized_input")
+        position = self.knob("post_pre_x_norm_position")
+        for branch, prefix, in_norm in ((self.attend(kwargs), "attn", "attention_norm"),
+                                        (self.mlp, "ff", "feed_forward_norm")):
+            xs, ys = siamese_update(
+                xs, ys, branch, x_norm=getattr(self, f"{prefix}_norm_x"), y_norm=getattr(self, f"{prefix}_norm_y"),
+                in_norm=getattr(self, in_norm) if normalized else None, c=self.depth_scale, x_norm_position=position)
+        return self.finish([xs, ys])
+
+
+class SiameseHybridPreBlock(TwoStreamBlock):
+    STREAMS = ("x_hybrid", "y_pre")
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        _add_v_head_norm(self)
+        self.gamma = nn.Parameter(torch.ones(self.d_model, device=self._init_device, dtype=torch.float32))
+        self.attn_norm_y = self.new_norm()
+        self.attn_norm_x = self.new_norm()
+        self.ff_norm_y = self.new_norm()
+
+    @classmethod
+    def unused_norms(cls, knobs, block_idx):
+        normalized = knob(knobs, "siamese_normalized_input")
+        return ("attention_norm",) if normalized else ("attention_norm", "feed_forward_norm")
+
+    def reset_parameters(self):
+        nn.init.ones_(self.gamma)
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        xs, ys = self.split_streams(x)
+        xs, ys = siamese_hybrid_attention(xs, ys, self.attend(kwargs), gamma=self.gamma, y_norm=self.attn_norm_y,
+                                          x_norm=None, c=self.depth_scale)
+        in_norm = self.feed_forward_norm if self.knob("siamese_normalized_input") else None
+        xs, ys = siamese_update(xs, ys, self.mlp, y_norm=self.ff_norm_y, x_norm=self.attn_norm_x, in_norm=in_norm,
+                                c=self.depth_scale, x_norm_position="before_sublayer")
+        return self.finish([xs, ys])
+
+
+class ConnectedStreamsBlock(CoreTopologyBlock):
+    """hc and mhc: a connection of siamesenorm.nn around each sublayer, whose branch keeps its Pre-Norm."""
+
+    EXPANSION_KNOB = ""
+    connection_names: Tuple[str, str] = ("attn_conn", "ff_conn")
+
+    @classmethod
+    def streams_for(cls, knobs):
+        return tuple(f"stream_{i + 1}" for i in range(knob(knobs, cls.EXPANSION_KNOB)))
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        h = self.stacked(x)
+        attn_conn, ff_conn = (getattr(self, name) for name in self.connection_names)
+        for conn, branch, pre_norm in ((attn_conn, self.attend(kwargs), self.attention_norm),
+                                       (ff_conn, self.mlp, self.feed_forward_norm)):
+            inp, carried, weights = conn.width(h)
+            h = depth_connection(carried, weights, branch(pre_norm(inp)))
+        return self.finish(list(h.unbind(-2)))
+
+
+class HyperConnectionBlock(ConnectedStreamsBlock):
+    EXPANSION_KNOB = "hc_expansion_rate"
+    connection_names = ("attn_hc", "ff_hc")
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        args = dict(n=self.n_streams, dim=self.d_model, layer=self.block_idx, norm=lambda size: self.new_norm(size),
+                    decay_dynamic=self.knob("hc_decay_dynamic"), device=self._init_device)
+        self.attn_hc = HyperConnection(**args)
+        self.ff_hc = HyperConnection(**args)
+
+    def scale_init(self) -> None:
+        """The output weights start divided by sqrt(n) (``hc_scale_output_init``), after OLMo-core's init."""
+        if self.knob("hc_scale_output_init"):
+            with torch.no_grad():
+                for linear in (self.attention.w_out, self.feed_forward.w2):
+                    linear.weight.div_(math.sqrt(self.n_streams))
+
+
+class ManifoldHyperConnectionBlock(ConnectedStreamsBlock):
+    EXPANSION_KNOB = "mhc_expansion_rate"
+    connection_names = ("attn_mhc", "ff_mhc")
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        args = dict(n=self.n_streams, dim=self.d_model, norm=lambda size: self.new_norm(size),
+                    iterations=self.knob("mhc_sinkhorn_iterations"), order=self.knob("mhc_sinkhorn_order"),
+                    device=self._init_device)
+        self.attn_mhc = ManifoldHyperConnection(**args)
+        self.ff_mhc = ManifoldHyperConnection(**args)
+
+    def contributions(self, streams):  # the mean of the streams
+        return [s / self.n_streams for s in streams]
+
+
+#: MODEL_TYPE -> OLMo-core block class; ``pre`` is OLMo-core's own block.
+CORE_BLOCKS: Dict[str, Type[TransformerBlock]] = {
+    "pre": TransformerBlock, "post": PostNormBlock, "hybrid": HybridNormBlock, "hc": HyperConnectionBlock,
+    "post_pre": SiamesePostPreBlock, "hybrid_pre": SiameseHybridPreBlock, "deepnorm": DeepNormBlock,
+    "residual": ResiDualBlock, "mixln": MixLNBlock, "peri": PeriNormBlock, "mhc": ManifoldHyperConnectionBlock,
+    "hybrid_star": HybridStarBlock, "pre_embednorm": PreEmbedNormBlock,
+}
+
+#: The MODEL_TYPEs whose attention normalises Q, K and V per head (HybridNorm's attention).
+QKV_HEAD_NORM_TYPES = ("hybrid", "hybrid_star", "hybrid_pre")
+
+
+def core_block_class(model_type: str) -> Type[TransformerBlock]:
+    try:
+        return CORE_BLOCKS[model_type]
+    except KeyError:
+        raise ValueError(f"MODEL_TYPE {model_type!r} has no OLMo-core block yet; the OLMo-core path has "
+                         f"{', '.join(CORE_BLOCKS)}") from None

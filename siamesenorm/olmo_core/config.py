@@ -1,0 +1,207 @@
+"""OLMo-core configs for our variants, and the weight mapping between the two frameworks.
+
+``SiameseBlockConfig`` is OLMo-core's ``TransformerBlockConfig`` with two fields more, ``model_type`` and
+``knobs``; OLMo-core builds blocks from it as from its own block types (``TransformerConfig.block``, per-block
+``block_overrides``), and its config files round-trip it (``_CLASS_``). ``model_type: null`` reads the
+``MODEL_TYPE`` environment variable, then ``pre``: the selection rule of the ai2-olmo path.
+
+``transformer_config(model_config)`` turns one of our model configs (a recipe's ``model:``, a
+``SiameseModelConfig``) into OLMo-core's ``TransformerConfig`` for the same model: same widths, heads, norms,
+RoPE, SwiGLU hidden size, biases, tying. ``olmo_to_core_state`` / ``core_to_olmo_state`` map a state dict between
+the ai2-olmo model and that OLMo-core model (OLMo's fused Q/K/V and SwiGLU projections split into OLMo-core's
+``w_q``/``w_k``/``w_v`` and ``w1``/``w3``, names moved, nothing else changed), so the two give the same logits
+(tests/test_olmo_core.py, every MODEL_TYPE).
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Dict, Optional
+
+import torch
+from olmo_core.nn.attention import AttentionConfig
+from olmo_core.nn.feed_forward import FeedForwardConfig
+from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
+from olmo_core.nn.lm_head import LMHeadConfig
+from olmo_core.nn.rope import RoPEConfig
+from olmo_core.nn.transformer.config import TransformerBlockConfig, TransformerConfig
+
+from .blocks import QKV_HEAD_NORM_TYPES, core_block_class
+
+__all__ = ["SiameseBlockConfig", "transformer_config", "olmo_to_core_state", "core_to_olmo_state",
+           "selected_model_type"]
+
+
+def selected_model_type(model_type: Optional[str]) -> str:
+    """The config's ``model_type``, else ``MODEL_TYPE``, else ``pre`` (one line when it names no block)."""
+    name = model_type or os.environ.get("MODEL_TYPE", "").strip() or "pre"
+    core_block_class(name)
+    return name
+
+
+@dataclass
+class SiameseBlockConfig(TransformerBlockConfig):
+    """OLMo-core's block config plus the variant: ``model_type`` (None: ``MODEL_TYPE``, then ``pre``) and its
+    ``knobs`` (model config fields of siamesenorm.config, e.g. ``{"siamese_depth_scaling": false}``; a knob not
+    given has its default)."""
+
+    model_type: Optional[str] = None
+    knobs: Dict[str, Any] = field(default_factory=dict)
+
+    def build(self, *, d_model: int, block_idx: int, n_layers: int, init_device: str = "cpu", cache=None):
+        model_type = selected_model_type(self.model_type)
+        block_class = core_block_class(model_type)
+        kwargs = self.as_dict(exclude_none=True, recurse=False)
+        for name in ("name", "model_type", "knobs"):
+            kwargs.pop(name, None)
+        kwargs.update(d_model=d_model, block_idx=block_idx, n_layers=n_layers, init_device=init_device,
+                      cache=cache)
+        if model_type != "pre":
+            kwargs["knobs"] = dict(self.knobs)
+        return block_class(**kwargs)
+
+
+def _norm_config(model_config, elementwise_affine: Optional[bool] = None) -> LayerNormConfig:
+    kind = str(getattr(model_config.layer_norm_type, "value", model_config.layer_norm_type))
+    if kind not in ("rms", "default"):
+        raise ValueError(f"model.layer_norm_type {kind} has no OLMo-core counterpart here; use rms or default")
+    bias = model_config.bias_for_layer_norm
+    bias = model_config.include_bias if bias is None else bias
+    affine = model_config.layer_norm_with_affine if elementwise_affine is None else elementwise_affine
+    return LayerNormConfig(name=LayerNormType.rms if kind == "rms" else LayerNormType.default,
+                           eps=model_config.layer_norm_eps, elementwise_affine=affine, bias=bias and affine)
+
+
+def _refuse_unsupported(model_config) -> None:
+    activation = str(getattr(model_config.activation_type, "value", model_config.activation_type))
+    problems = {
+        "model.activation_type must be swiglu (OLMo-core's feed-forward is SwiGLU)": activation != "swiglu",
+        "model.alibi is not in OLMo-core; use rope": model_config.alibi,
+        "model.scale_logits has no OLMo-core counterpart": model_config.scale_logits,
+        "model.block_group_size must be 1": model_config.block_group_size != 1,
+        "model.block_type must be sequential": str(getattr(model_config.block_type, "value",
+                                                             model_config.block_type)) != "sequential",
+    }
+    for message, bad in problems.items():
+        if bad:
+            raise ValueError(f"the OLMo-core path cannot build this model: {message}")
+
+
+def transformer_config(model_config, model_type: Optional[str] = None) -> TransformerConfig:
+    """OLMo-core's ``TransformerConfig`` for one of our model configs (``SiameseModelConfig`` or OLMo's own);
+    ``model_type`` as in ``siamesenorm.build_model`` (argument > ``MODEL_TYPE`` > ``model.model_type`` > pre)."""
+    from ..config import validate_model_config, resolve_model_type
+    from ..variants import VARIANTS
+
+    _refuse_unsupported(model_config)
+    name, _ = resolve_model_type(model_config, model_type)
+    validate_model_config(model_config, name)  # the checks of the ai2-olmo path, with its one-line messages
+    core_block_class(name)
+    head_dim = model_config.d_model // model_config.n_heads
+    qk_norm = None
+    if name in QKV_HEAD_NORM_TYPES:
+        qk_norm = _norm_config(model_config, model_config.attention_layer_norm_with_affine)
+    elif model_config.attention_layer_norm:
+        qk_norm = _norm_config(model_config, model_config.attention_layer_norm_with_affine)
+    attention = AttentionConfig(
+        n_heads=model_config.n_heads, n_kv_heads=model_config.effective_n_kv_heads, head_dim=head_dim,
+        bias=model_config.include_bias, clip_qkv=model_config.clip_qkv, qk_norm=qk_norm,
+        use_head_qk_norm=True if name in QKV_HEAD_NORM_TYPES else None,
+        rope=RoPEConfig(theta=model_config.rope_theta, full_precision=model_config.rope_full_precision)
+        if model_config.rope else None,
+        dropout=model_config.attention_dropout or None)
+    hidden = (model_config.mlp_hidden_size if model_config.mlp_hidden_size is not None
+              else model_config.mlp_ratio * model_config.d_model) // 2  # OLMo's SwiGLU projects to 2 x hidden
+    block = SiameseBlockConfig(
+        sequence_mixer=attention, layer_norm=_norm_config(model_config),
+        feed_forward=FeedForwardConfig(hidden_size=hidden, bias=model_config.include_bias),
+        dropout=model_config.residual_dropout or None, model_type=name,
+        knobs={k.name: getattr(model_config, k.name) for k in VARIANTS[name].knobs if hasattr(model_config, k.name)})
+    vocab = model_config.embedding_size or model_config.vocab_size
+    return TransformerConfig(
+        d_model=model_config.d_model, vocab_size=vocab, n_layers=model_config.n_layers, block=block,
+        lm_head=LMHeadConfig(layer_norm=_norm_config(model_config), bias=model_config.include_bias),
+        embedding_norm=_norm_config(model_config) if model_config.embedding_layer_norm else None,
+        init_std=model_config.init_std, tie_word_embeddings=bool(model_config.weight_tying))
+
+
+# ---- weights ---------------------------------------------------------------------------------------------------
+#: ai2-olmo name (under transformer.blocks.N.) -> OLMo-core name (under blocks.N.), for what only moves.
+_BLOCK_RENAMES = {
+    "attn_norm": "attention_norm", "ff_norm": "feed_forward_norm", "attn_out": "attention.w_out",
+    "ff_out": "feed_forward.w2", "q_norm": "attention.q_norm", "k_norm": "attention.k_norm",
+    "q_head_norm": "attention.q_norm", "k_head_norm": "attention.k_norm", "v_head_norm": "attention.v_norm",
+}
+_TOP_RENAMES = {"transformer.wte.weight": "embeddings.weight", "transformer.ln_f": "lm_head.norm",
+                "transformer.ff_out": "lm_head.w_out", "transformer.emb_norm": "embedding_norm"}
+_BLOCK = re.compile(r"^transformer\.blocks\.(\d+)\.([^.]+)((?:\..+)?)$")
+
+
+def olmo_to_core_state(state: Dict[str, torch.Tensor], model_config) -> Dict[str, torch.Tensor]:
+    """An ai2-olmo state dict (``siamesenorm.build_model``'s names) as the OLMo-core model's."""
+    kv = model_config.effective_n_kv_heads * (model_config.d_model // model_config.n_heads)
+    out: Dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        match = _BLOCK.match(name)
+        if match is None:
+            for old, new in _TOP_RENAMES.items():
+                if name.startswith(old):
+                    out[new + name[len(old):]] = value
+                    break
+            else:
+                raise KeyError(f"no OLMo-core name for {name}")
+            continue
+        index, module, rest = match.groups()
+        prefix = f"blocks.{index}."
+        if module == "att_proj":
+            q, k, v = value.split((value.shape[0] - 2 * kv, kv, kv), dim=0)
+            for part, tensor in zip("qkv", (q, k, v)):
+                out[f"{prefix}attention.w_{part}{rest}"] = tensor
+        elif module == "ff_proj":
+            up, gate = value.chunk(2, dim=0)  # OLMo's SwiGLU: silu(second half) * first half
+            out[f"{prefix}feed_forward.w1{rest}"] = gate
+            out[f"{prefix}feed_forward.w3{rest}"] = up
+        else:
+            out[prefix + _BLOCK_RENAMES.get(module, module) + rest] = value
+    return out
+
+
+def core_to_olmo_state(state: Dict[str, torch.Tensor], model_type: str) -> Dict[str, torch.Tensor]:
+    """The inverse of ``olmo_to_core_state`` for a model of ``model_type``."""
+    inverse_top = {new: old for old, new in _TOP_RENAMES.items()}
+    head_norms = model_type in QKV_HEAD_NORM_TYPES  # attention.q_norm is q_head_norm there, q_norm elsewhere
+    inverse_block = {new: old for old, new in _BLOCK_RENAMES.items() if old.endswith("_head_norm") == head_norms
+                     or not old.endswith("_norm") or old in ("attn_norm", "ff_norm")}
+    out: Dict[str, torch.Tensor] = {}
+    parts: Dict[str, Dict[str, torch.Tensor]] = {}
+    for name, value in state.items():
+        match = re.match(r"^blocks\.(\d+)\.(.+)$", name)
+        if match is None:
+            for new, old in inverse_top.items():
+                if name.startswith(new):
+                    out[old + name[len(new):]] = value
+                    break
+            else:
+                raise KeyError(f"no ai2-olmo name for {name}")
+            continue
+        index, rest = match.groups()
+        prefix = f"transformer.blocks.{index}."
+        fused = re.match(r"^(attention\.w_[qkv]|feed_forward\.w[13])(\..+)$", rest)  # weight, bias
+        if fused is not None:
+            target = "att_proj" if fused.group(1).startswith("attention") else "ff_proj"
+            parts.setdefault(prefix + target + fused.group(2), {})[fused.group(1)] = value
+            continue
+        for new, old in inverse_block.items():
+            if rest == new or rest.startswith(new + "."):
+                rest = old + rest[len(new):]
+                break
+        out[prefix + rest] = value
+    for name, pieces in parts.items():
+        if "att_proj" in name:
+            out[name] = torch.cat([pieces["attention.w_q"], pieces["attention.w_k"], pieces["attention.w_v"]], 0)
+        else:
+            out[name] = torch.cat([pieces["feed_forward.w3"], pieces["feed_forward.w1"]], 0)
+    return out
+

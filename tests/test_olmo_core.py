@@ -1,0 +1,139 @@
+"""The OLMo-core path: every MODEL_TYPE as an OLMo-core 3 block gives the ai2-olmo model's logits and gradients.
+
+The ai2-olmo model (siamesenorm.build_model) with weights moved off their init is mapped by name into the OLMo-core
+model built from ``transformer_config`` (strict: no missing or unexpected key); fp32 logits must agree within
+1e-5 (observed: 0.0, the same operations in the same order), and mapping back must give the same tensors.
+"""
+
+import sys
+import types
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from siamesenorm import build_model
+from siamesenorm.config import MODEL_TYPES
+
+olmo_core_config = pytest.importorskip("siamesenorm.olmo_core.config")
+from siamesenorm.olmo_core import blocks as core_blocks  # noqa: E402
+from siamesenorm.olmo_core import require_olmo_core  # noqa: E402
+
+TOLERANCE = 1e-5
+
+
+def _pair(model_type, **overrides):
+    """(ai2-olmo model, OLMo-core model with the mapped weights, config)."""
+    config = tiny_config(weight_tying=False, mixln_post_fraction=0.5, **overrides)
+    torch.manual_seed(0)
+    olmo = build_model(config, model_type=model_type)
+    with torch.no_grad():
+        for p in olmo.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # off the init: norm scales and connections take part
+    core = olmo_core_config.transformer_config(config, model_type=model_type).build(init_device="cpu")
+    missing, unexpected = core.load_state_dict(olmo_core_config.olmo_to_core_state(olmo.state_dict(), config),
+                                               strict=False)
+    assert (missing, unexpected) == ([], []), (missing, unexpected)
+    return olmo.eval(), core.eval(), config
+
+
+def _ids(config, batch=2, seq=24):
+    return torch.randint(0, config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(1))
+
+
+def _assert_same_logits(olmo, core, config):
+    ids = _ids(config)
+    with torch.no_grad():
+        expected = olmo(ids).logits
+        got = core(ids)
+    assert got.shape == expected.shape
+    assert (got - expected).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("model_type", MODEL_TYPES)
+def test_every_model_type_gives_the_ai2_olmo_logits(model_type):
+    olmo, core, config = _pair(model_type)
+    expected_block = core_blocks.CORE_BLOCKS[model_type]
+    assert all(type(b) is expected_block for b in core.blocks.values())
+    _assert_same_logits(olmo, core, config)
+    back = olmo_core_config.core_to_olmo_state(core.state_dict(), model_type)
+    reference = olmo.state_dict()
+    assert set(back) == set(reference)
+    assert all(torch.equal(back[k], v) for k, v in reference.items())
+
+
+@pytest.mark.parametrize("model_type,overrides", [
+    ("post_pre", dict(post_pre_x_norm_position="after_addition")),
+    ("hybrid_pre", dict(siamese_depth_scaling=False)),
+    ("hybrid_pre", dict(siamese_normalized_input=False, siamese_depth_scaling_form="inv_sqrt_layer")),
+    ("post", dict(post_norm_position="before_sublayer")),
+    ("hc", dict(hc_expansion_rate=3)),
+    ("mhc", dict(mhc_expansion_rate=2, mhc_sinkhorn_order="rows_first", mhc_sinkhorn_iterations=3)),
+    ("pre", dict(n_kv_heads=2, attention_layer_norm=True)),
+    ("hybrid_pre", dict(n_kv_heads=2, attention_layer_norm_with_affine=False)),
+    ("post_pre", dict(layer_norm_type="default", include_bias=True)),
+    ("pre", dict(embedding_layer_norm=True, clip_qkv=0.5)),
+])
+def test_knobs_and_olmo_options_give_the_same_logits(model_type, overrides):
+    olmo, core, config = _pair(model_type, **overrides)
+    _assert_same_logits(olmo, core, config)
+
+
+def test_tied_weights_map_to_olmo_cores_tying():
+    config = tiny_config(weight_tying=True)
+    olmo = build_model(config, model_type="hybrid_pre")
+    core = olmo_core_config.transformer_config(config, model_type="hybrid_pre").build(init_device="cpu")
+    state = olmo_core_config.olmo_to_core_state(olmo.state_dict(), config)
+    core.load_state_dict(state, strict=False)
+    assert core.lm_head.w_out.weight is core.embeddings.weight
+    with torch.no_grad():
+        assert (core(_ids(config)) - olmo.eval()(_ids(config)).logits).abs().max().item() <= TOLERANCE
+
+
+@pytest.mark.parametrize("model_type", ["hybrid_pre", "post_pre", "hc"])
+def test_gradients_agree(model_type):
+    olmo, core, config = _pair(model_type)
+    ids = _ids(config)
+    olmo(ids).logits.logsumexp(-1).mean().backward()
+    core(ids).logsumexp(-1).mean().backward()
+    grads = olmo_core_config.olmo_to_core_state({k: p.grad for k, p in olmo.named_parameters()}, config)
+    for name, p in core.named_parameters():
+        assert torch.allclose(p.grad, grads[name], rtol=1e-4, atol=1e-6), name
+
+
+def test_model_type_selection_and_config_round_trip(monkeypatch):
+    from olmo_core.nn.transformer.config import TransformerConfig
+
+    config = tiny_config()
+    tc = olmo_core_config.transformer_config(config, model_type="post_pre")
+    tc.block.model_type = None  # then MODEL_TYPE decides, else pre, as on the ai2-olmo path
+    monkeypatch.setenv("MODEL_TYPE", "hc")
+    assert type(tc.build(init_device="cpu").blocks["0"]) is core_blocks.HyperConnectionBlock
+    monkeypatch.delenv("MODEL_TYPE")
+    assert type(tc.build(init_device="cpu").blocks["0"]) is core_blocks.CORE_BLOCKS["pre"]
+    # OLMo-core's own config files keep our block config and its knobs
+    tc.block.model_type = "post_pre"
+    tc.block.knobs = {"post_pre_x_norm_position": "after_addition"}
+    again = TransformerConfig.from_dict(tc.as_config_dict())
+    assert type(again.block) is olmo_core_config.SiameseBlockConfig
+    assert again.block.knobs == {"post_pre_x_norm_position": "after_addition"}
+    block = again.build(init_device="cpu").blocks["1"]
+    assert block.knob("post_pre_x_norm_position") == "after_addition"
+    assert block.knob("siamese_depth_scaling") is True  # not given: the default
+
+
+def test_bad_input_is_one_line(monkeypatch):
+    config = tiny_config()
+    tc = olmo_core_config.transformer_config(config, model_type="pre")
+    tc.block.model_type = "hybrid_pr"
+    with pytest.raises(ValueError, match="no OLMo-core block yet; the OLMo-core path has pre, post"):
+        tc.build(init_device="cpu")
+    with pytest.raises(ValueError, match="activation_type must be swiglu"):
+        olmo_core_config.transformer_config(tiny_config(activation_type="gelu"), model_type="pre")
+    from olmo.exceptions import OLMoConfigurationError
+
+    with pytest.raises(OLMoConfigurationError, match="attention_layer_norm to false"):  # the ai2-olmo path's own check
+        olmo_core_config.transformer_config(tiny_config(attention_layer_norm=True), model_type="hybrid_pre")
+    monkeypatch.setitem(sys.modules, "olmo_core.version", types.SimpleNamespace(VERSION="0.1.0"))
+    with pytest.raises(ImportError, match="needs ai2-olmo-core 3, this environment has 0.1.0"):
+        require_olmo_core()
