@@ -69,6 +69,44 @@ Examples:
     sys.exit(code)
 
 
+def olmo_core_train_main(argv=None) -> None:
+    parser = argparse.ArgumentParser(
+        description="Train an OLMo-core 3 model of any MODEL_TYPE with OLMo-core's own Trainer and "
+        "TransformerTrainModule, from one of our recipes (torchrun for more processes: OLMo-core's FSDP).",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=f"""\
+MODEL_TYPE picks the block: the environment variable MODEL_TYPE, else the config's model.model_type, else pre.
+{_model_types_help()}
+
+Overrides: as scripts/train.py (--save_folder=runs/x --max_duration=1000 --stop_at=500 ...).
+Rerunning the same command resumes from the latest checkpoint in save_folder (OLMo-core's distributed checkpoints).
+The run folder gets metrics.jsonl (every step's metrics), OLMo-core's checkpoints step<N>/ and its work files.
+docs/training.md, "The OLMo-core path", says what of a recipe is used and what this path does not have yet.
+
+Examples:
+  MODEL_TYPE=hybrid_pre python scripts/train_olmo_core.py configs/tiny-cpu.yaml --save_folder=runs/core-hybrid_pre
+  MODEL_TYPE=hybrid_pre torchrun --nproc_per_node 2 scripts/train_olmo_core.py configs/tiny-cpu.yaml \\
+      --save_folder=runs/core-hybrid_pre-2p --device_train_microbatch_size=8""",
+    )
+    parser.add_argument("config", help="YAML recipe (configs/*.yaml), the same files scripts/train.py reads")
+    args, overrides = parser.parse_known_args(argv)
+    from .checkpoints import UnsafeCheckpoint
+
+    try:
+        from olmo_core.exceptions import OLMoConfigurationError as CoreConfigError
+
+        from .olmo_core.train import main
+
+        main(args.config, overrides)
+    except ImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (_config_error(), CoreConfigError, UnsafeCheckpoint, FileNotFoundError, ValueError) as e:
+        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank sees the same problem: say it once
+            print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
 def prepare_data_main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description="Tokenize documents into OLMo token files (train/ and val/ .npy memmaps plus manifest.json). "

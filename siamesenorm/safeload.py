@@ -37,7 +37,7 @@ import torch
 
 __all__ = ["UnsafeCheckpoint", "check_torch_file", "load", "allow_checkpoint_types", "sharded_limit",
            "load_olmo_safetensors", "checked_loads", "sharded_tensors_in_one_process", "unpickle_plain",
-           "MAX_PICKLE_BYTES"]
+           "MAX_PICKLE_BYTES", "load_checkpoint_metadata", "checked_olmo_core_loads"]
 
 MAX_PICKLE_BYTES = 256 * 2**20  # a 1.3B model's FSDP rank file pickles to a few MB
 MAX_DIMS = 64
@@ -565,3 +565,60 @@ def checked_loads():
         yield
     finally:
         torch.load, olmo_checkpoint.safetensors_file_to_state_dict = saved
+
+
+#: What an OLMo-core / torch distributed checkpoint's ``.metadata`` pickle may name: the metadata classes of
+#: torch.distributed.checkpoint, OLMo-core's storage record, torch.Size, dtypes and layouts. Nothing else resolves.
+_DCP_METADATA_NAMES = {
+    "torch.distributed.checkpoint.metadata": ("Metadata", "ChunkStorageMetadata", "TensorStorageMetadata",
+                                              "BytesStorageMetadata", "TensorProperties", "MetadataIndex",
+                                              "StorageMeta", "_MEM_FORMAT_ENCODING"),
+    "torch.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "olmo_core.distributed.checkpoint.filesystem": ("_StorageInfo",),
+    "torch.serialization": ("_get_layout",),
+    "torch": ("Size",) + tuple(str(d).split(".")[1] for d in _TORCH_DTYPES),
+    "collections": ("OrderedDict",),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module, name):
+        if name in _DCP_METADATA_NAMES.get(module, ()):
+            return getattr(__import__(module, fromlist=[name]), name)
+        raise _Refused(f"it refers to {module}.{name}, which is not on the checkpoint-metadata allow-list")
+
+
+def load_checkpoint_metadata(file: BinaryIO, name: Optional[str] = None):
+    """A distributed checkpoint's ``.metadata`` (a pickle written by torch.distributed.checkpoint), unpickled with
+    only the metadata classes allowed (``_DCP_METADATA_NAMES``) and at most ``MAX_PICKLE_BYTES`` read."""
+    name = name or str(getattr(file, "name", "a checkpoint's .metadata"))
+    data = file.read(MAX_PICKLE_BYTES + 1)
+    try:
+        if len(data) > MAX_PICKLE_BYTES:
+            raise _Refused(f"it is larger than {MAX_PICKLE_BYTES:,d} bytes")
+        return _MetadataUnpickler(io.BytesIO(data)).load()
+    except _Refused as why:
+        raise UnsafeCheckpoint(f"refusing to load {name}: {why}; nothing in it was run.") from None
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
+            RecursionError, MemoryError, UnicodeDecodeError) as err:
+        raise UnsafeCheckpoint(f"refusing to load {name}: it is not a readable checkpoint metadata file "
+                               f"({type(err).__name__}); nothing in it was run.") from None
+
+
+@contextlib.contextmanager
+def checked_olmo_core_loads():
+    """While OLMo-core's Trainer restores a checkpoint: every ``torch.load`` (the trainer state of each rank, every
+    tensor and bytes item of the distributed checkpoint; OLMo-core and torch call it with ``weights_only=False``)
+    goes through ``load``, and the ``.metadata`` pickle through ``load_checkpoint_metadata``."""
+    import olmo_core.distributed.checkpoint.filesystem as core_fs
+
+    class _Pickle:  # what OLMo-core's checkpoint reader calls as ``pickle``
+        dump = staticmethod(pickle.dump)
+        load = staticmethod(load_checkpoint_metadata)
+
+    saved = torch.load, core_fs.pickle
+    torch.load, core_fs.pickle = load, _Pickle
+    try:
+        yield
+    finally:
+        torch.load, core_fs.pickle = saved

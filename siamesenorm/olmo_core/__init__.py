@@ -9,6 +9,11 @@ ai2-olmo imports ``olmo_core`` only for its ``olmo_core`` sharded checkpointer, 
 - ``siamesenorm.olmo_core.blocks``: the blocks, one small class per MODEL_TYPE over OLMo-core's own attention,
   feed-forward and norms, whose forward applies the update rules of ``siamesenorm.nn`` (the same functions the
   ai2-olmo adapters call); ``pre`` is OLMo-core's own ``TransformerBlock``.
+Importing this package imports nothing of OLMo-core (``--help`` stays fast); ``blocks`` and ``config`` check the
+installed release first (``require_olmo_core``: one line when it is not OLMo-core 3).
+
+- ``siamesenorm.olmo_core.train``: training from one of our recipes with OLMo-core's Trainer
+  (scripts/train_olmo_core.py).
 - ``siamesenorm.olmo_core.config``: ``SiameseBlockConfig`` (OLMo-core's block config plus ``model_type`` and the
   variant knobs; OLMo-core builds the block from it as it builds its own block types) and ``transformer_config``,
   which turns one of our model configs (a recipe's ``model:``) into OLMo-core's ``TransformerConfig``;
@@ -37,5 +42,3 @@ def require_olmo_core() -> None:
         raise ImportError(f"the OLMo-core path needs ai2-olmo-core 3, this environment has {VERSION} (ai2-olmo 0.6.0 "
                           "pins 0.1.0); run `bash scripts/setup_env.sh`, which installs 3.0.0 in a second step")
 
-
-require_olmo_core()

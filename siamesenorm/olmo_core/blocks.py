@@ -27,9 +27,14 @@ from typing import Callable, Dict, Optional, Tuple, Type
 
 import torch
 import torch.nn as nn
-from olmo_core.nn.attention import Attention
-from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
-from olmo_core.nn.transformer.block import TransformerBlock
+
+from . import require_olmo_core
+
+require_olmo_core()
+
+from olmo_core.nn.attention import Attention  # noqa: E402
+from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType  # noqa: E402
+from olmo_core.nn.transformer.block import TransformerBlock  # noqa: E402
 
 from ..nn.topologies import (HyperConnection, ManifoldHyperConnection, StackedStreams, depth_connection,
                              depth_divisor, hybrid_norm_update, post_norm_update, siamese_hybrid_attention,

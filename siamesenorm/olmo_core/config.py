@@ -15,22 +15,24 @@ the ai2-olmo model and that OLMo-core model (OLMo's fused Q/K/V and SwiGLU proje
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import torch
-from olmo_core.nn.attention import AttentionConfig
-from olmo_core.nn.feed_forward import FeedForwardConfig
-from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
-from olmo_core.nn.lm_head import LMHeadConfig
-from olmo_core.nn.rope import RoPEConfig
-from olmo_core.nn.transformer.config import TransformerBlockConfig, TransformerConfig
 
-from .blocks import QKV_HEAD_NORM_TYPES, core_block_class
+from .blocks import QKV_HEAD_NORM_TYPES, core_block_class  # checks the OLMo-core release first
 
-__all__ = ["SiameseBlockConfig", "transformer_config", "olmo_to_core_state", "core_to_olmo_state",
+from olmo_core.nn.attention import AttentionConfig  # noqa: E402
+from olmo_core.nn.feed_forward import FeedForwardConfig  # noqa: E402
+from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType  # noqa: E402
+from olmo_core.nn.lm_head import LMHeadConfig  # noqa: E402
+from olmo_core.nn.rope import RoPEConfig  # noqa: E402
+from olmo_core.nn.transformer.config import TransformerBlockConfig, TransformerConfig  # noqa: E402
+
+__all__ = ["SiameseBlockConfig", "SiameseTransformerConfig", "transformer_config", "olmo_to_core_state", "core_to_olmo_state",
            "selected_model_type"]
 
 
@@ -61,6 +63,27 @@ class SiameseBlockConfig(TransformerBlockConfig):
         if model_type != "pre":
             kwargs["knobs"] = dict(self.knobs)
         return block_class(**kwargs)
+
+
+@dataclass
+class SiameseTransformerConfig(TransformerConfig):
+    """OLMo-core's ``TransformerConfig``; the model it builds runs each block's ``scale_init`` (DeepNorm's beta,
+    hc's output scaling) right after OLMo-core's own ``init_weights``, which re-initialises the attention and
+    feed-forward weights of every block and offers no per-block hook."""
+
+    def build(self, *, init_device: str = "cpu"):
+        model = super().build(init_device=init_device)
+        if any(hasattr(block, "scale_init") for block in model.blocks.values()):
+            model.init_weights = functools.partial(_init_then_scale, model.init_weights, model)
+        return model
+
+
+def _init_then_scale(init_weights, model, *args, **kwargs):
+    generator = init_weights(*args, **kwargs)
+    for block in model.blocks.values():
+        if hasattr(block, "scale_init"):
+            block.scale_init()
+    return generator
 
 
 def _norm_config(model_config, elementwise_affine: Optional[bool] = None) -> LayerNormConfig:
@@ -120,7 +143,7 @@ def transformer_config(model_config, model_type: Optional[str] = None) -> Transf
         dropout=model_config.residual_dropout or None, model_type=name,
         knobs={k.name: getattr(model_config, k.name) for k in VARIANTS[name].knobs if hasattr(model_config, k.name)})
     vocab = model_config.embedding_size or model_config.vocab_size
-    return TransformerConfig(
+    return SiameseTransformerConfig(
         d_model=model_config.d_model, vocab_size=vocab, n_layers=model_config.n_layers, block=block,
         lm_head=LMHeadConfig(layer_norm=_norm_config(model_config), bias=model_config.include_bias),
         embedding_norm=_norm_config(model_config) if model_config.embedding_layer_norm else None,
@@ -139,6 +162,13 @@ _TOP_RENAMES = {"transformer.wte.weight": "embeddings.weight", "transformer.ln_f
 _BLOCK = re.compile(r"^transformer\.blocks\.(\d+)\.([^.]+)((?:\..+)?)$")
 
 
+def _renamed(name: str, table: Dict[str, str], target: str) -> str:
+    for old, new in table.items():
+        if name == old or name.startswith(old + "."):
+            return new + name[len(old):]
+    raise KeyError(f"no {target} name for {name}")
+
+
 def olmo_to_core_state(state: Dict[str, torch.Tensor], model_config) -> Dict[str, torch.Tensor]:
     """An ai2-olmo state dict (``siamesenorm.build_model``'s names) as the OLMo-core model's."""
     kv = model_config.effective_n_kv_heads * (model_config.d_model // model_config.n_heads)
@@ -146,12 +176,7 @@ def olmo_to_core_state(state: Dict[str, torch.Tensor], model_config) -> Dict[str
     for name, value in state.items():
         match = _BLOCK.match(name)
         if match is None:
-            for old, new in _TOP_RENAMES.items():
-                if name.startswith(old):
-                    out[new + name[len(old):]] = value
-                    break
-            else:
-                raise KeyError(f"no OLMo-core name for {name}")
+            out[_renamed(name, _TOP_RENAMES, "OLMo-core")] = value
             continue
         index, module, rest = match.groups()
         prefix = f"blocks.{index}."
@@ -171,20 +196,17 @@ def olmo_to_core_state(state: Dict[str, torch.Tensor], model_config) -> Dict[str
 def core_to_olmo_state(state: Dict[str, torch.Tensor], model_type: str) -> Dict[str, torch.Tensor]:
     """The inverse of ``olmo_to_core_state`` for a model of ``model_type``."""
     inverse_top = {new: old for old, new in _TOP_RENAMES.items()}
-    head_norms = model_type in QKV_HEAD_NORM_TYPES  # attention.q_norm is q_head_norm there, q_norm elsewhere
-    inverse_block = {new: old for old, new in _BLOCK_RENAMES.items() if old.endswith("_head_norm") == head_norms
-                     or not old.endswith("_norm") or old in ("attn_norm", "ff_norm")}
+    # attention.q_norm / k_norm are the per-head norms in the HybridNorm family, OLMo's q_norm / k_norm elsewhere
+    head_norms = ("q_head_norm", "k_head_norm", "v_head_norm") if model_type in QKV_HEAD_NORM_TYPES else ("q_norm",
+                                                                                                         "k_norm")
+    inverse_block = {new: old for old, new in _BLOCK_RENAMES.items() if not new.startswith("attention.") or
+                     old == "attn_out" or old in head_norms}
     out: Dict[str, torch.Tensor] = {}
     parts: Dict[str, Dict[str, torch.Tensor]] = {}
     for name, value in state.items():
         match = re.match(r"^blocks\.(\d+)\.(.+)$", name)
         if match is None:
-            for new, old in inverse_top.items():
-                if name.startswith(new):
-                    out[old + name[len(new):]] = value
-                    break
-            else:
-                raise KeyError(f"no ai2-olmo name for {name}")
+            out[_renamed(name, inverse_top, "ai2-olmo")] = value
             continue
         index, rest = match.groups()
         prefix = f"transformer.blocks.{index}."

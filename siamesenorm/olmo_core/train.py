@@ -1,0 +1,170 @@
+"""Train any MODEL_TYPE with OLMo-core's own machinery, from one of our recipes.
+
+``python scripts/train_olmo_core.py RECIPE.yaml [--key=value ...]`` (or under ``torchrun``) reads the same recipe
+files as the ai2-olmo path (``load_config``: the same overrides and checks before step 1) and builds OLMo-core's
+components from them: the model from ``transformer_config`` (``MODEL_TYPE`` selects the block), OLMo-core's
+``NumpyFSLDataset`` over the recipe's token files, its ``TransformerTrainModule`` (AdamW, cosine schedule with
+warmup, gradient clipping, z-loss; FSDP over the data-parallel processes when launched with more than one), and its
+``Trainer`` with its checkpointer: rerunning the same command resumes from the latest checkpoint in
+``save_folder`` (OLMo-core's ``load_strategy: if_available``). Each step's loss lands in ``metrics.jsonl``.
+
+What it maps (and what it does not) is in docs/training.md, "The OLMo-core path".
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Dict, List, Optional
+
+log = logging.getLogger(__name__)
+
+__all__ = ["main", "build_components", "MetricsFileCallback"]
+
+
+def _token_files(patterns: List[str]) -> List[str]:
+    files: List[str] = []
+    for pattern in patterns:
+        found = sorted(glob.glob(pattern))
+        if not found:
+            raise FileNotFoundError(f"data.paths: {pattern} matches no file; prepare the data first "
+                                    "(python scripts/prepare_data.py, or bash scripts/quickstart.sh)")
+        files.extend(found)
+    return files
+
+
+def _metrics_callback_class():
+    from olmo_core.train.callbacks import Callback
+
+    @dataclass
+    class MetricsFileCallback(Callback):
+        """Appends each step's metrics to ``<save_folder>/metrics.jsonl`` (rank 0), one JSON object per line, and on
+        a resume drops the lines of steps after the checkpoint (they are trained again)."""
+
+        path: Optional[str] = None
+
+        def pre_train(self):
+            if self.path is None or self.trainer.dp_process_group is not None and _rank() != 0:
+                return
+            file = Path(self.path)
+            if file.is_file():
+                kept = [line for line in file.read_text().splitlines()
+                        if line.strip() and json.loads(line)["step"] <= self.trainer.global_step]
+                file.write_text("".join(line + "\n" for line in kept))
+
+        def log_metrics(self, step: int, metrics: Dict[str, float]):
+            if self.path is None or _rank() != 0:
+                return
+            record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+            with open(self.path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+
+    return MetricsFileCallback
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def no_decay_names(model, cfg) -> List[str]:
+    """The parameters that take no weight decay, as ai2-olmo's groups place them (siamesenorm/trainer.py): only
+    the weights of linear layers decay (the embedding too with ``optimizer.decay_embeddings``, norms and biases with
+    ``optimizer.decay_norm_and_bias``), plus the coefficients a topology lists in ``weight_decay_params`` (hc's
+    dynamic projections)."""
+    import torch.nn as nn
+
+    decayed = set()
+    for module_name, module in model.named_modules():
+        prefix = module_name + "." if module_name else ""
+        if isinstance(module, nn.Linear):
+            decayed.add(prefix + "weight")
+            if module.bias is not None and cfg.optimizer.decay_norm_and_bias:
+                decayed.add(prefix + "bias")
+        elif isinstance(module, nn.Embedding) and cfg.optimizer.decay_embeddings:
+            decayed.add(prefix + "weight")
+        elif "norm" in type(module).__name__.lower() and cfg.optimizer.decay_norm_and_bias:
+            decayed.update(prefix + n for n, _ in module.named_parameters(recurse=False))
+        decayed.update(prefix + n for n in getattr(module, "weight_decay_params", ()))
+    return [name for name, _ in model.named_parameters() if name not in decayed]
+
+
+def build_components(cfg, world_size: int = 1):
+    """(model config, train module config, dataset config, data loader config, trainer config) for a loaded recipe."""
+    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+    from olmo_core.distributed.parallel import DataParallelType
+    from olmo_core.optim import AdamWConfig, CosWithWarmup, OptimGroupOverride
+    from olmo_core.train import Duration, TrainerConfig
+    from olmo_core.train.callbacks import CheckpointerCallback
+    from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
+
+    import torch
+
+    from .config import transformer_config
+
+    model = cfg.model
+    seq = model.max_sequence_length
+    model_config = transformer_config(model)
+    model_config.init_seed = cfg.seed
+    save_folder = str(cfg.save_folder)
+    data = NumpyFSLDatasetConfig(
+        paths=_token_files(list(cfg.data.paths)), sequence_length=seq, work_dir=str(Path(save_folder) / "dataset-cache"),
+        tokenizer=TokenizerConfig(vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
+                                  pad_token_id=model.pad_token_id),
+        dtype=str(cfg.data.memmap_dtype))
+    loader = NumpyDataLoaderConfig(global_batch_size=cfg.global_train_batch_size * seq, seed=cfg.seed,
+                                   num_workers=cfg.data.num_workers or 0)
+    opt = cfg.optimizer
+    no_decay = no_decay_names(model_config.build(init_device="meta"), cfg)
+    optim = AdamWConfig(lr=opt.learning_rate, weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps,
+                        group_overrides=[OptimGroupOverride(params=no_decay, opts=dict(weight_decay=0.0))])
+    scheduler = CosWithWarmup(warmup=int(cfg.scheduler.t_warmup), alpha_f=cfg.scheduler.alpha_f)
+    train_module = TransformerTrainModuleConfig(
+        rank_microbatch_size=cfg.device_train_microbatch_size * seq, max_sequence_length=seq, optim=optim,
+        scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, z_loss_multiplier=None,
+        dp_config=TransformerDataParallelConfig(name=DataParallelType.fsdp) if world_size > 1 else None)
+    steps = int(str(cfg.max_duration).rstrip("st")) if not isinstance(cfg.max_duration, int) else cfg.max_duration
+    trainer = TrainerConfig(save_folder=save_folder, work_dir=str(Path(save_folder) / "work"),
+                            max_duration=Duration.steps(steps), metrics_collect_interval=1, cancel_check_interval=1,
+                            hard_stop=Duration.steps(int(cfg.stop_at)) if cfg.stop_at is not None else None,
+                            save_overwrite=bool(cfg.save_overwrite),
+                            async_bookkeeping=None if torch.cuda.is_available() else False)
+    # CPU: synchronous saves (an async save's collectives on a second gloo group could interleave with training's)
+    trainer = trainer.with_callback("checkpointer", CheckpointerCallback(
+        save_interval=int(cfg.save_interval), ephemeral_save_interval=None,
+        save_async=None if torch.cuda.is_available() else False))
+    trainer = trainer.with_callback("metrics_file", _metrics_callback_class()(
+        path=str(Path(save_folder) / "metrics.jsonl")))
+    return model_config, train_module, data, loader, trainer
+
+
+def main(recipe: str, overrides: List[str]) -> None:
+    """Train from ``recipe`` with ``overrides`` (``--key=value``) through OLMo-core's Trainer."""
+    import os
+
+    import torch
+    from olmo_core.train import prepare_training_environment, teardown_training_environment
+
+    from ..runconfig import load_config
+    from ..safeload import checked_olmo_core_loads
+
+    cfg = load_config(recipe, overrides)
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    # CPU: gloo only, and no async bookkeeping (on a gloo-only group its metric reduction never returned here)
+    backend = ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo") if world_size > 1 else None
+    prepare_training_environment(seed=cfg.seed, backend=backend)
+    try:
+        model_config, train_module_config, data_config, loader_config, trainer_config = build_components(cfg, world_size)
+        model = model_config.build(init_device="meta")
+        train_module = train_module_config.build(model)
+        dataset = data_config.build()
+        loader = loader_config.build(dataset, dp_process_group=train_module.dp_process_group)
+        with checked_olmo_core_loads():  # a checkpoint from elsewhere (or planted in save_folder) runs nothing
+            trainer = trainer_config.build(train_module, loader)
+            trainer.fit()
+    finally:
+        teardown_training_environment()

@@ -1,0 +1,114 @@
+"""Training through OLMo-core's own Trainer (scripts/train_olmo_core.py) on the shipped Austen data: two processes
+under torchrun with OLMo-core's FSDP, its distributed checkpoints, a resume that reproduces the losses exactly, and
+checkpoint files from elsewhere that run nothing."""
+
+import json
+import os
+import pickle
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("siamesenorm.olmo_core.config")
+from conftest import tiny_config  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS = ["--max_duration=6", "--save_interval=3", "--device_train_microbatch_size=8"]
+
+
+def _train(folder, *extra, processes=1, model_type="hybrid_pre", port=29700):
+    command = [sys.executable, str(ROOT / "scripts" / "train_olmo_core.py")]
+    if processes > 1:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes),
+                   "--master_port", str(port)] + command[1:]
+    command += [str(ROOT / "configs" / "tiny-cpu.yaml"), f"--save_folder={folder}", *STEPS, *extra]
+    env = dict(os.environ, MODEL_TYPE=model_type, OMP_NUM_THREADS="1")
+    log = Path(folder).with_suffix(".log")
+    with open(log, "w") as out:  # a file, not a pipe: a stray worker cannot keep the test waiting
+        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        try:
+            proc.wait(timeout=420)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # torchrun and its workers
+            proc.wait()
+    text = log.read_text()
+    return subprocess.CompletedProcess(command, proc.returncode, text, text)
+
+
+def _losses(folder):
+    losses = {}
+    for line in (Path(folder) / "metrics.jsonl").read_text().splitlines():
+        record = json.loads(line)
+        if "train/CE loss" in record:
+            losses[record["step"]] = record["train/CE loss"]
+    return losses
+
+
+def test_two_processes_fsdp_train_save_resume_reproduce_the_losses(tmp_path, austen_prepared):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    run = _train(whole, processes=2, port=29701)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert sorted(p.name for p in (whole / "step6" / "train").iterdir()) == ["rank0.pt", "rank1.pt"]
+    assert any(p.suffix == ".distcp" for p in (whole / "step3" / "model_and_optim").iterdir())
+    first = _train(split, "--stop_at=3", processes=2, port=29702)
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert sorted(_losses(split)) == [1, 2, 3]
+    second = _train(split, processes=2, port=29703)  # the same command again: resumes from step 3
+    assert second.returncode == 0, second.stderr[-3000:]
+    assert f"Loading checkpoint from '{split / 'step3'}'" in second.stderr + second.stdout
+    expected = _losses(whole)
+    assert sorted(expected) == [1, 2, 3, 4, 5, 6]
+    assert _losses(split) == expected  # bit for bit: the resumed run trains the same steps on the same data
+    assert expected[6] < expected[1]
+
+
+class _Bomb:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+@pytest.mark.parametrize("planted", ["metadata", "trainer_state"])
+def test_a_crafted_checkpoint_runs_nothing(tmp_path, austen_prepared, planted):
+    folder = tmp_path / "run"
+    first = _train(folder, "--stop_at=3", model_type="pre")
+    assert first.returncode == 0, first.stderr[-3000:]
+    marker = tmp_path / "ran"
+    if planted == "metadata":
+        target = folder / "step3" / "model_and_optim" / ".metadata"
+        target.write_bytes(pickle.dumps(_Bomb(marker)))
+    else:
+        target = folder / "step3" / "train" / "rank0.pt"
+        torch.save({"global_step": _Bomb(marker)}, target)
+    before = (folder / "metrics.jsonl").read_text()
+    second = _train(folder, model_type="pre")
+    assert second.returncode != 0
+    assert "refusing to load" in second.stderr and "nothing in it was run" in second.stderr
+    assert not marker.exists()
+    assert (folder / "metrics.jsonl").read_text() == before  # nothing already written is lost
+
+
+def test_deepnorm_and_hc_scale_their_init_after_olmo_cores_init():
+    from siamesenorm.olmo_core.config import transformer_config
+    from siamesenorm.variants.deepnorm import deepnorm_beta
+
+    config = tiny_config(weight_tying=False)
+    models = {}
+    for model_type in ("post", "deepnorm", "pre", "hc"):
+        model = transformer_config(config, model_type=model_type).build(init_device="meta")
+        model.init_weights(device=torch.device("cpu"))
+        models[model_type] = model
+    beta = deepnorm_beta(config.n_layers)
+    post, deep = models["post"].blocks["1"], models["deepnorm"].blocks["1"]
+    assert torch.allclose(deep.attention.w_v.weight, post.attention.w_v.weight * beta)
+    assert torch.allclose(deep.feed_forward.w2.weight, post.feed_forward.w2.weight * beta)
+    assert torch.equal(deep.attention.w_q.weight, post.attention.w_q.weight)  # Q and K untouched
+    hc = models["hc"].blocks["1"]
+    assert hc.attention.w_out.weight.std() < 0.8 * models["pre"].blocks["1"].attention.w_out.weight.std()
