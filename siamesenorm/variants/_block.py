@@ -5,8 +5,8 @@ to OLMo's sublayers (``attention_sublayer``, ``mlp_sublayer``) and norms (``norm
 tensor, as OLMo's model loop expects. A topology with n streams carries them concatenated on the feature axis,
 (B, T, n * d_model): block 0 widens the embedding into n streams and the last block fuses them back to
 (B, T, d_model) (``siamesenorm.nn.StackedStreams``, shared with the OLMo-core blocks), so OLMo's own final norm
-``ln_f`` is the topology's final norm and everything that happens between blocks (KV cache, activation checkpointing, FSDP wrapping, block groups, ``last_logits_only``)
-sees one tensor and works unchanged.
+``ln_f`` is the topology's final norm and everything that happens between blocks (KV cache, activation
+checkpointing, FSDP wrapping, block groups, ``last_logits_only``) sees one tensor and works unchanged.
 """
 
 from __future__ import annotations
