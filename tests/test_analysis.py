@@ -99,7 +99,7 @@ def test_fusion_weights_and_lens_on_every_multi_stream_type(model_type):
     last = model.transformer.blocks[-1]
     assert list(result["fusion_weights"]) == list(last.stream_names)
     if model_type in ("post_pre", "hybrid_pre"):
-        assert result["fusion_weights"]["y_pre"] == pytest.approx(float(last.out_norm_y.weight.mean()))
+        assert result["fusion_weights"]["y_pre"] == pytest.approx(float(last.out_norm_y.weight.detach().mean()))
     assert all(0.0 <= v <= 1.0 for v in result["match"].values())
     assert result["positions"] == ids().numel()
 
