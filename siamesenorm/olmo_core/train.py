@@ -93,8 +93,23 @@ def no_decay_names(model, cfg) -> List[str]:
     return [name for name, _ in model.named_parameters() if name not in decayed]
 
 
+def _duration(value, Duration):
+    """OLMo's max_duration: steps (an integer), tokens ("2e12T") or epochs ("1ep"), as OLMo-core's Duration."""
+    text = str(value).strip()
+    if text.endswith("T"):
+        return Duration.tokens(int(float(text[:-1])))
+    if text.endswith("ep"):
+        return Duration.epochs(int(text[:-2]))
+    return Duration.steps(int(float(text)))
+
+
+def _value(field) -> str:
+    return str(getattr(field, "value", field))
+
+
 def build_components(cfg, world_size: int = 1):
     """(model config, train module config, dataset config, data loader config, trainer config) for a loaded recipe."""
+    from olmo_core.config import DType
     from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
     from olmo_core.distributed.parallel import DataParallelType
     from olmo_core.optim import AdamWConfig, CosWithWarmup, OptimGroupOverride
@@ -127,9 +142,20 @@ def build_components(cfg, world_size: int = 1):
         rank_microbatch_size=cfg.device_train_microbatch_size * seq, max_sequence_length=seq, optim=optim,
         scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, z_loss_multiplier=None,
         dp_config=TransformerDataParallelConfig(name=DataParallelType.fsdp) if world_size > 1 else None)
-    steps = int(str(cfg.max_duration).rstrip("st")) if not isinstance(cfg.max_duration, int) else cfg.max_duration
+    precision = _value(cfg.precision)
+    if precision not in ("fp32", "amp_bf16"):
+        raise ValueError(f"precision {precision}: the OLMo-core path maps fp32 and amp_bf16 (bf16 autocast); "
+                         "set --precision=amp_bf16 or fp32")
+    train_module.autocast_precision = DType.bfloat16 if precision == "amp_bf16" else None
+    if train_module.dp_config is not None and _value(cfg.fsdp.precision) in ("mixed", "pure"):
+        # OLMo's FSDP precision: bf16 parameters, reductions in fp32 ("mixed") or bf16 ("pure")
+        train_module.dp_config.param_dtype = DType.bfloat16
+        train_module.dp_config.reduce_dtype = DType.float32 if _value(cfg.fsdp.precision) == "mixed" else DType.bfloat16
+    train_module.compile_model = cfg.compile is not None  # OLMo-core compiles block by block, as ours does
+    if cfg.softmax_auxiliary_loss:
+        train_module.z_loss_multiplier = cfg.auxiliary_loss_multiplier
     trainer = TrainerConfig(save_folder=save_folder, work_dir=str(Path(save_folder) / "work"),
-                            max_duration=Duration.steps(steps), metrics_collect_interval=1, cancel_check_interval=1,
+                            max_duration=_duration(cfg.max_duration, Duration), metrics_collect_interval=1, cancel_check_interval=1,
                             hard_stop=Duration.steps(int(cfg.stop_at)) if cfg.stop_at is not None else None,
                             save_overwrite=bool(cfg.save_overwrite),
                             async_bookkeeping=None if torch.cuda.is_available() else False)
