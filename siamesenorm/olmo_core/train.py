@@ -47,7 +47,7 @@ def _metrics_callback_class():
         path: Optional[str] = None
 
         def pre_train(self):
-            if self.path is None or self.trainer.dp_process_group is not None and _rank() != 0:
+            if self.path is None or _rank() != 0:
                 return
             file = Path(self.path)
             if file.is_file():
