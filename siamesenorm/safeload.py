@@ -559,12 +559,21 @@ def checked_loads():
     reads through ``load_olmo_safetensors``."""
     import olmo.checkpoint as olmo_checkpoint
 
-    saved = torch.load, olmo_checkpoint.safetensors_file_to_state_dict
-    torch.load, olmo_checkpoint.safetensors_file_to_state_dict = load, load_olmo_safetensors
+    with _swapped((torch, "load", load), (olmo_checkpoint, "safetensors_file_to_state_dict", load_olmo_safetensors)):
+        yield
+
+
+@contextlib.contextmanager
+def _swapped(*swaps):
+    """Each (object, attribute, replacement) set for the duration, then put back."""
+    saved = [getattr(owner, name) for owner, name, _ in swaps]
+    for owner, name, replacement in swaps:
+        setattr(owner, name, replacement)
     try:
         yield
     finally:
-        torch.load, olmo_checkpoint.safetensors_file_to_state_dict = saved
+        for (owner, name, _), value in zip(swaps, saved):
+            setattr(owner, name, value)
 
 
 #: What an OLMo-core / torch distributed checkpoint's ``.metadata`` pickle may name: the metadata classes of
@@ -616,9 +625,5 @@ def checked_olmo_core_loads():
         dump = staticmethod(pickle.dump)
         load = staticmethod(load_checkpoint_metadata)
 
-    saved = torch.load, core_fs.pickle
-    torch.load, core_fs.pickle = load, _Pickle
-    try:
+    with _swapped((torch, "load", load), (core_fs, "pickle", _Pickle)):
         yield
-    finally:
-        torch.load, core_fs.pickle = saved

@@ -84,7 +84,8 @@ def test_tied_weights_map_to_olmo_cores_tying():
     olmo = build_model(config, model_type="hybrid_pre")
     core = olmo_core_config.transformer_config(config, model_type="hybrid_pre").build(init_device="cpu")
     state = olmo_core_config.olmo_to_core_state(olmo.state_dict(), config)
-    core.load_state_dict(state, strict=False)
+    missing, unexpected = core.load_state_dict(state, strict=False)
+    assert (missing, unexpected) == (["lm_head.w_out.weight"], [])  # the tied output weight is the embedding
     assert core.lm_head.w_out.weight is core.embeddings.weight
     with torch.no_grad():
         assert (core(_ids(config)) - olmo.eval()(_ids(config)).logits).abs().max().item() <= TOLERANCE
@@ -117,6 +118,9 @@ def test_model_type_selection_and_config_round_trip(monkeypatch):
     again = TransformerConfig.from_dict(tc.as_config_dict())
     assert type(again.block) is olmo_core_config.SiameseBlockConfig
     assert again.block.knobs == {"post_pre_x_norm_position": "after_addition"}
+    monkeypatch.setenv("MODEL_TYPE", "hc")  # as on the ai2-olmo path, MODEL_TYPE wins over the config's field
+    assert type(again.build(init_device="cpu").blocks["0"]) is core_blocks.HyperConnectionBlock
+    monkeypatch.delenv("MODEL_TYPE")
     block = again.build(init_device="cpu").blocks["1"]
     assert block.knob("post_pre_x_norm_position") == "after_addition"
     assert block.knob("siamese_depth_scaling") is True  # not given: the default

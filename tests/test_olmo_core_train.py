@@ -117,22 +117,32 @@ def test_deepnorm_and_hc_scale_their_init_after_olmo_cores_init():
 def test_a_1b_recipe_maps_to_what_it_states(monkeypatch, austen_prepared):
     """configs/OLMo-1B-hybrid-2e-3.yaml on 8 processes: bf16 autocast, FSDP with bf16 parameters and fp32
     reductions (its fsdp.precision: mixed), compiled blocks, batch sizes in tokens, 100e9 tokens, the 1.3B shape."""
+    from siamesenorm.olmo_core import train as core_train
     from siamesenorm.olmo_core.train import build_components
     from siamesenorm.runconfig import load_config
 
+    checked = []  # the recipe's FineWeb token files are not here; Austen's hold less than its 2048-sequence batch
+    monkeypatch.setattr(core_train, "check_data", checked.append)
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("MODEL_TYPE", "hybrid_pre")
     cfg = load_config("configs/OLMo-1B-hybrid-2e-3.yaml", ["--data.paths=[data/prepared/austen-2k/train/*.npy]",
                                                             "--save_folder=/tmp/unused-core-1b"])
     model, module, _, loader, trainer = build_components(cfg, world_size=8)
+    assert checked == [cfg] and cfg.evaluators == []  # the data checks ran; the recipe's evaluators are skipped
     assert (model.n_layers, model.d_model, model.block.model_type) == (16, 2048, "hybrid_pre")
     assert str(module.autocast_precision) == "bfloat16" and module.compile_model
     assert (str(module.dp_config.param_dtype), str(module.dp_config.reduce_dtype)) == ("bfloat16", "float32")
     assert module.rank_microbatch_size == 8 * 2048 and loader.global_batch_size == 2048 * 2048
     assert trainer.max_duration.value == 100_000_000_000 and str(trainer.max_duration.unit) == "tokens"
+    monkeypatch.undo()
+    monkeypatch.chdir(ROOT)
     tiny = load_config("configs/tiny-cpu.yaml", ["--save_folder=/tmp/unused-core-tiny"])
     _, tiny_module, _, _, _ = build_components(tiny)
     assert tiny_module.autocast_precision is None and not tiny_module.compile_model and tiny_module.dp_config is None
+    from siamesenorm.runconfig import RunError
+
+    with pytest.raises(RunError, match="device_train_microbatch_size=8"):  # the ai2-olmo path's batch check
+        build_components(tiny, world_size=2)
     with pytest.raises(ValueError, match="maps fp32 and amp_bf16"):
         build_components(load_config("configs/tiny-cpu.yaml", ["--precision=amp_fp16",
                                                                "--save_folder=/tmp/unused-core-tiny"]))

@@ -37,8 +37,11 @@ from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType  # noqa: E402
 from olmo_core.nn.transformer.block import TransformerBlock  # noqa: E402
 
 from ..nn.topologies import (HyperConnection, ManifoldHyperConnection, StackedStreams, depth_connection,
-                             depth_divisor, hybrid_norm_update, post_norm_update, siamese_hybrid_attention,
+                             hybrid_norm_update, post_norm_update, siamese_hybrid_attention,
                              siamese_update)
+from ..variants._block import depth_scale
+from ..variants.deepnorm import deepnorm_alpha, deepnorm_beta
+from ..variants.mixln import mixln_post_layers
 from ..variants.spec import knob
 
 __all__ = ["CoreTopologyBlock", "VHeadNormAttention", "CORE_BLOCKS", "core_block_class"]
@@ -146,8 +149,6 @@ class DeepNormBlock(PostNormBlock):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        from ..variants.deepnorm import deepnorm_alpha, deepnorm_beta
-
         self.residual_scale = deepnorm_alpha(self.n_layers)
         self.init_scale = deepnorm_beta(self.n_layers)
 
@@ -163,8 +164,7 @@ class MixLNBlock(PostNormBlock):
     position_knob = None
 
     def forward(self, x, *, loss_div_factor=None, **kwargs):
-        post_layers = math.floor(self.knob("mixln_post_fraction") * self.n_layers + 1e-9)
-        if self.block_idx < post_layers:
+        if self.block_idx < mixln_post_layers(SimpleNamespace(**vars(self.knobs), n_layers=self.n_layers)):
             return super().forward(x, **kwargs)
         return self.pre_norm_forward(x, kwargs)
 
@@ -254,8 +254,7 @@ class TwoStreamBlock(CoreTopologyBlock):
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.depth_scale = (depth_divisor(self.block_idx, self.knob("siamese_depth_scaling_form"))
-                            if self.knob("siamese_depth_scaling") else 1.0)
+        self.depth_scale = depth_scale(self.knobs, self.block_idx)
         if self.is_last:
             self.out_norm_x = self.new_norm()
             self.out_norm_y = self.new_norm()

@@ -2,8 +2,8 @@
 
 ``SiameseBlockConfig`` is OLMo-core's ``TransformerBlockConfig`` with two fields more, ``model_type`` and
 ``knobs``; OLMo-core builds blocks from it as from its own block types (``TransformerConfig.block``, per-block
-``block_overrides``), and its config files round-trip it (``_CLASS_``). ``model_type: null`` reads the
-``MODEL_TYPE`` environment variable, then ``pre``: the selection rule of the ai2-olmo path.
+``block_overrides``), and its config files round-trip it (``_CLASS_``). The block is chosen by the selection rule
+of the ai2-olmo path: the ``MODEL_TYPE`` environment variable, else ``model_type``, else ``pre``.
 
 ``transformer_config(model_config)`` turns one of our model configs (a recipe's ``model:``, a
 ``SiameseModelConfig``) into OLMo-core's ``TransformerConfig`` for the same model: same widths, heads, norms,
@@ -16,7 +16,6 @@ the ai2-olmo model and that OLMo-core model (OLMo's fused Q/K/V and SwiGLU proje
 from __future__ import annotations
 
 import functools
-import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
@@ -25,35 +24,35 @@ import torch
 
 from .blocks import QKV_HEAD_NORM_TYPES, core_block_class  # checks the OLMo-core release first
 
-from olmo_core.nn.attention import AttentionConfig  # noqa: E402
-from olmo_core.nn.feed_forward import FeedForwardConfig  # noqa: E402
-from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType  # noqa: E402
-from olmo_core.nn.lm_head import LMHeadConfig  # noqa: E402
-from olmo_core.nn.rope import RoPEConfig  # noqa: E402
-from olmo_core.nn.transformer.config import TransformerBlockConfig, TransformerConfig  # noqa: E402
+from olmo_core.nn.attention import AttentionConfig
+from olmo_core.nn.feed_forward import FeedForwardConfig
+from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
+from olmo_core.nn.lm_head import LMHeadConfig
+from olmo_core.nn.rope import RoPEConfig
+from olmo_core.nn.transformer.config import TransformerBlockConfig, TransformerConfig
 
-__all__ = ["SiameseBlockConfig", "SiameseTransformerConfig", "transformer_config", "olmo_to_core_state", "core_to_olmo_state",
-           "selected_model_type"]
+__all__ = ["SiameseBlockConfig", "SiameseTransformerConfig", "transformer_config", "olmo_to_core_state",
+           "core_to_olmo_state", "enum_value"]
 
 
-def selected_model_type(model_type: Optional[str]) -> str:
-    """The config's ``model_type``, else ``MODEL_TYPE``, else ``pre`` (one line when it names no block)."""
-    name = model_type or os.environ.get("MODEL_TYPE", "").strip() or "pre"
-    core_block_class(name)
-    return name
+def enum_value(field) -> str:
+    """An OLMo config enum (or a plain string) as its string value."""
+    return str(getattr(field, "value", field))
 
 
 @dataclass
 class SiameseBlockConfig(TransformerBlockConfig):
-    """OLMo-core's block config plus the variant: ``model_type`` (None: ``MODEL_TYPE``, then ``pre``) and its
-    ``knobs`` (model config fields of siamesenorm.config, e.g. ``{"siamese_depth_scaling": false}``; a knob not
+    """OLMo-core's block config plus the variant: ``model_type`` (chosen as on the ai2-olmo path: the ``MODEL_TYPE``
+    environment variable, else this field, else ``pre``) and its ``knobs`` (model config fields of siamesenorm.config, e.g. ``{"siamese_depth_scaling": false}``; a knob not
     given has its default)."""
 
     model_type: Optional[str] = None
     knobs: Dict[str, Any] = field(default_factory=dict)
 
     def build(self, *, d_model: int, block_idx: int, n_layers: int, init_device: str = "cpu", cache=None):
-        model_type = selected_model_type(self.model_type)
+        from ..config import resolve_model_type
+
+        model_type, _ = resolve_model_type(self)  # reads self.model_type as it reads model.model_type
         block_class = core_block_class(model_type)
         kwargs = self.as_dict(exclude_none=True, recurse=False)
         for name in ("name", "model_type", "knobs"):
@@ -87,7 +86,7 @@ def _init_then_scale(init_weights, model, *args, **kwargs):
 
 
 def _norm_config(model_config, elementwise_affine: Optional[bool] = None) -> LayerNormConfig:
-    kind = str(getattr(model_config.layer_norm_type, "value", model_config.layer_norm_type))
+    kind = enum_value(model_config.layer_norm_type)
     if kind not in ("rms", "default"):
         raise ValueError(f"model.layer_norm_type {kind} has no OLMo-core counterpart here; use rms or default")
     bias = model_config.bias_for_layer_norm
@@ -98,14 +97,13 @@ def _norm_config(model_config, elementwise_affine: Optional[bool] = None) -> Lay
 
 
 def _refuse_unsupported(model_config) -> None:
-    activation = str(getattr(model_config.activation_type, "value", model_config.activation_type))
+    activation = enum_value(model_config.activation_type)
     problems = {
         "model.activation_type must be swiglu (OLMo-core's feed-forward is SwiGLU)": activation != "swiglu",
         "model.alibi is not in OLMo-core; use rope": model_config.alibi,
         "model.scale_logits has no OLMo-core counterpart": model_config.scale_logits,
         "model.block_group_size must be 1": model_config.block_group_size != 1,
-        "model.block_type must be sequential": str(getattr(model_config.block_type, "value",
-                                                             model_config.block_type)) != "sequential",
+        "model.block_type must be sequential": enum_value(model_config.block_type) != "sequential",
     }
     for message, bad in problems.items():
         if bad:
@@ -123,10 +121,8 @@ def transformer_config(model_config, model_type: Optional[str] = None) -> Transf
     validate_model_config(model_config, name)  # the checks of the ai2-olmo path, with its one-line messages
     core_block_class(name)
     head_dim = model_config.d_model // model_config.n_heads
-    qk_norm = None
-    if name in QKV_HEAD_NORM_TYPES:
-        qk_norm = _norm_config(model_config, model_config.attention_layer_norm_with_affine)
-    elif model_config.attention_layer_norm:
+    qk_norm = None  # OLMo's Q/K norms, or the HybridNorm family's per-head ones
+    if name in QKV_HEAD_NORM_TYPES or model_config.attention_layer_norm:
         qk_norm = _norm_config(model_config, model_config.attention_layer_norm_with_affine)
     attention = AttentionConfig(
         n_heads=model_config.n_heads, n_kv_heads=model_config.effective_n_kv_heads, head_dim=head_dim,

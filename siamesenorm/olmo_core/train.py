@@ -13,62 +13,57 @@ What it maps (and what it does not) is in docs/training.md, "The OLMo-core path"
 
 from __future__ import annotations
 
-import glob
 import json
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional
 
+import torch
+import torch.nn as nn
+
+from ..runconfig import check_batch_split, load_config, validate_run
+from ..safeload import checked_olmo_core_loads
+from ..train import check_data
+from .config import enum_value, transformer_config  # checks the OLMo-core release first
+
+from olmo_core.config import DType
+from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
+from olmo_core.distributed.parallel import DataParallelType
+from olmo_core.distributed.utils import get_rank
+from olmo_core.optim import AdamWConfig, CosWithWarmup, OptimGroupOverride
+from olmo_core.train import Duration, TrainerConfig, prepare_training_environment, teardown_training_environment
+from olmo_core.train.callbacks import Callback, CheckpointerCallback
+from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
+
 log = logging.getLogger(__name__)
 
-__all__ = ["main", "build_components", "MetricsFileCallback"]
+__all__ = ["main", "build_components", "MetricsFileCallback", "no_decay_names"]
 
 
-def _token_files(patterns: List[str]) -> List[str]:
-    files: List[str] = []
-    for pattern in patterns:
-        found = sorted(glob.glob(pattern))
-        if not found:
-            raise FileNotFoundError(f"data.paths: {pattern} matches no file; prepare the data first "
-                                    "(python scripts/prepare_data.py, or bash scripts/quickstart.sh)")
-        files.extend(found)
-    return files
+@dataclass
+class MetricsFileCallback(Callback):
+    """Appends each step's metrics to ``<save_folder>/metrics.jsonl`` (rank 0), one JSON object per line, and on a
+    resume drops the lines of steps after the checkpoint (they are trained again)."""
 
+    path: Optional[str] = None
 
-def _metrics_callback_class():
-    from olmo_core.train.callbacks import Callback
+    def pre_train(self):
+        if self.path is None or get_rank() != 0:
+            return
+        file = Path(self.path)
+        if file.is_file():
+            kept = [line for line in file.read_text().splitlines()
+                    if line.strip() and json.loads(line)["step"] <= self.trainer.global_step]
+            file.write_text("".join(line + "\n" for line in kept))
 
-    @dataclass
-    class MetricsFileCallback(Callback):
-        """Appends each step's metrics to ``<save_folder>/metrics.jsonl`` (rank 0), one JSON object per line, and on
-        a resume drops the lines of steps after the checkpoint (they are trained again)."""
-
-        path: Optional[str] = None
-
-        def pre_train(self):
-            if self.path is None or _rank() != 0:
-                return
-            file = Path(self.path)
-            if file.is_file():
-                kept = [line for line in file.read_text().splitlines()
-                        if line.strip() and json.loads(line)["step"] <= self.trainer.global_step]
-                file.write_text("".join(line + "\n" for line in kept))
-
-        def log_metrics(self, step: int, metrics: Dict[str, float]):
-            if self.path is None or _rank() != 0:
-                return
-            record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-            with open(self.path, "a") as f:
-                f.write(json.dumps(record) + "\n")
-
-    return MetricsFileCallback
-
-
-def _rank() -> int:
-    import torch.distributed as dist
-
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    def log_metrics(self, step: int, metrics: Dict[str, float]):
+        if self.path is None or get_rank() != 0:
+            return
+        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 def no_decay_names(model, cfg) -> List[str]:
@@ -76,8 +71,6 @@ def no_decay_names(model, cfg) -> List[str]:
     the weights of linear layers decay (the embedding too with ``optimizer.decay_embeddings``, norms and biases with
     ``optimizer.decay_norm_and_bias``), plus the coefficients a topology lists in ``weight_decay_params`` (hc's
     dynamic projections)."""
-    import torch.nn as nn
-
     decayed = set()
     for module_name, module in model.named_modules():
         prefix = module_name + "." if module_name else ""
@@ -93,7 +86,7 @@ def no_decay_names(model, cfg) -> List[str]:
     return [name for name, _ in model.named_parameters() if name not in decayed]
 
 
-def _duration(value, Duration):
+def _duration(value) -> Duration:
     """OLMo's max_duration: steps (an integer), tokens ("2e12T") or epochs ("1ep"), as OLMo-core's Duration."""
     text = str(value).strip()
     if text.endswith("T"):
@@ -103,31 +96,24 @@ def _duration(value, Duration):
     return Duration.steps(int(float(text)))
 
 
-def _value(field) -> str:
-    return str(getattr(field, "value", field))
-
-
 def build_components(cfg, world_size: int = 1):
-    """(model config, train module config, dataset config, data loader config, trainer config) for a loaded recipe."""
-    from olmo_core.config import DType
-    from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
-    from olmo_core.distributed.parallel import DataParallelType
-    from olmo_core.optim import AdamWConfig, CosWithWarmup, OptimGroupOverride
-    from olmo_core.train import Duration, TrainerConfig
-    from olmo_core.train.callbacks import CheckpointerCallback
-    from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
-
-    import torch
-
-    from .config import transformer_config
-
+    """(model config, train module config, dataset config, data loader config, trainer config) for a loaded recipe,
+    after the checks a run of scripts/train.py makes before step 1 (values, batch split, token files against their
+    manifests and the vocabulary, one global batch of data), each a one-line ``RunError``."""
+    validate_run(cfg)
+    check_batch_split(cfg, world_size)
+    if cfg.evaluators:
+        log.warning("the OLMo-core path runs no in-loop evaluators yet; %d in the recipe skipped",
+                    len(cfg.evaluators))
+        cfg.evaluators = []
+    check_data(cfg)  # also expands data.paths to the token files
     model = cfg.model
     seq = model.max_sequence_length
     model_config = transformer_config(model)
     model_config.init_seed = cfg.seed
     save_folder = str(cfg.save_folder)
     data = NumpyFSLDatasetConfig(
-        paths=_token_files(list(cfg.data.paths)), sequence_length=seq, work_dir=str(Path(save_folder) / "dataset-cache"),
+        paths=[str(p) for p in cfg.data.paths], sequence_length=seq, work_dir=str(Path(save_folder) / "dataset-cache"),
         tokenizer=TokenizerConfig(vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
                                   pad_token_id=model.pad_token_id),
         dtype=str(cfg.data.memmap_dtype))
@@ -142,20 +128,21 @@ def build_components(cfg, world_size: int = 1):
         rank_microbatch_size=cfg.device_train_microbatch_size * seq, max_sequence_length=seq, optim=optim,
         scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, z_loss_multiplier=None,
         dp_config=TransformerDataParallelConfig(name=DataParallelType.fsdp) if world_size > 1 else None)
-    precision = _value(cfg.precision)
+    precision = enum_value(cfg.precision)
     if precision not in ("fp32", "amp_bf16"):
         raise ValueError(f"precision {precision}: the OLMo-core path maps fp32 and amp_bf16 (bf16 autocast); "
                          "set --precision=amp_bf16 or fp32")
     train_module.autocast_precision = DType.bfloat16 if precision == "amp_bf16" else None
-    if train_module.dp_config is not None and _value(cfg.fsdp.precision) in ("mixed", "pure"):
+    fsdp_precision = enum_value(cfg.fsdp.precision)
+    if train_module.dp_config is not None and fsdp_precision in ("mixed", "pure"):
         # OLMo's FSDP precision: bf16 parameters, reductions in fp32 ("mixed") or bf16 ("pure")
         train_module.dp_config.param_dtype = DType.bfloat16
-        train_module.dp_config.reduce_dtype = DType.float32 if _value(cfg.fsdp.precision) == "mixed" else DType.bfloat16
+        train_module.dp_config.reduce_dtype = DType.float32 if fsdp_precision == "mixed" else DType.bfloat16
     train_module.compile_model = cfg.compile is not None  # OLMo-core compiles block by block, as ours does
     if cfg.softmax_auxiliary_loss:
         train_module.z_loss_multiplier = cfg.auxiliary_loss_multiplier
     trainer = TrainerConfig(save_folder=save_folder, work_dir=str(Path(save_folder) / "work"),
-                            max_duration=_duration(cfg.max_duration, Duration), metrics_collect_interval=1, cancel_check_interval=1,
+                            max_duration=_duration(cfg.max_duration), metrics_collect_interval=1, cancel_check_interval=1,
                             hard_stop=Duration.steps(int(cfg.stop_at)) if cfg.stop_at is not None else None,
                             save_overwrite=bool(cfg.save_overwrite),
                             async_bookkeeping=None if torch.cuda.is_available() else False)
@@ -163,21 +150,12 @@ def build_components(cfg, world_size: int = 1):
     trainer = trainer.with_callback("checkpointer", CheckpointerCallback(
         save_interval=int(cfg.save_interval), ephemeral_save_interval=None,
         save_async=None if torch.cuda.is_available() else False))
-    trainer = trainer.with_callback("metrics_file", _metrics_callback_class()(
-        path=str(Path(save_folder) / "metrics.jsonl")))
+    trainer = trainer.with_callback("metrics_file", MetricsFileCallback(path=str(Path(save_folder) / "metrics.jsonl")))
     return model_config, train_module, data, loader, trainer
 
 
 def main(recipe: str, overrides: List[str]) -> None:
     """Train from ``recipe`` with ``overrides`` (``--key=value``) through OLMo-core's Trainer."""
-    import os
-
-    import torch
-    from olmo_core.train import prepare_training_environment, teardown_training_environment
-
-    from ..runconfig import load_config
-    from ..safeload import checked_olmo_core_loads
-
     cfg = load_config(recipe, overrides)
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # CPU: gloo only, and no async bookkeeping (on a gloo-only group its metric reduction never returned here)
