@@ -22,9 +22,29 @@ from olmo.util import clean_opt
 from .config import SiameseModelConfig
 from .records import StabilityConfig, stability_problem
 
-__all__ = ["SiameseTrainConfig", "RunError", "load_config", "expand_paths", "check_data_paths", "validate_run",
+__all__ = ["SiameseTrainConfig", "MoESettings", "RunError", "load_config", "expand_paths", "check_data_paths", "validate_run",
            "check_batch_split", "check_corpus_size",
            "check_token_files", "unigram_loss"]
+
+
+@dataclass
+class MoESettings:
+    """``moe:`` in a recipe: every block's feed-forward becomes OLMo-core's mixture of experts (the OLMo-core path
+    only, scripts/train_olmo_core.py; ai2-olmo 0.6.0 has no MoE block). The defaults are OLMoE-1B-7B's router
+    and losses (OLMo-core's ``TransformerConfig.olmoe_1B_7B``: 64 experts, top 8, dropless, load-balancing loss
+    0.01, router z-loss 0.001)."""
+
+    num_experts: int = 64
+    top_k: int = 8
+    hidden_size: Optional[int] = None
+    """Each expert's SwiGLU hidden size; null: d_model / 2 (OLMoE's proportion)."""
+    shared_hidden_size: Optional[int] = None
+    """A shared expert every token passes through, of this hidden size; null: none."""
+    capacity_factor: Optional[float] = None
+    """Each expert takes at most capacity_factor x its even share of the batch's slots (the rest are dropped);
+    null: dropless."""
+    lb_loss_weight: Optional[float] = 0.01
+    z_loss_weight: Optional[float] = 0.001
 
 
 @dataclass
@@ -40,6 +60,8 @@ class SiameseTrainConfig(TrainConfig):
     """Before step 1, also check every token file's sha256 against its manifest (slow on large corpora)."""
     resume_on_new_data: bool = False
     """Resume even though the token files differ from the ones the run started with (data-fingerprint.json)."""
+    moe: Optional[MoESettings] = None
+    """A mixture-of-experts feed-forward in every block (the OLMo-core path only); null: dense."""
     loss_chunk_tokens: Optional[int] = None
     """The loss over this many tokens at a time, each chunk's fp32 logits recomputed in backward instead of kept
     (siamesenorm/loss.py: the step's peak loses the full fp32 logits); null: OLMo's loss."""
@@ -234,8 +256,25 @@ def _numbers(value, where: str = ""):
         yield where, value
 
 
-def validate_run(cfg: SiameseTrainConfig) -> None:
-    """The values a run cannot start with, each as one line. Model-type specifics: config.validate_model_config."""
+def _check_moe(cfg: SiameseTrainConfig, olmo_core: bool) -> None:
+    moe = cfg.moe
+    _check(olmo_core, "moe: is set, and ai2-olmo 0.6.0 has no MoE block: train this recipe with "
+                      "scripts/train_olmo_core.py (docs/training.md, 'The OLMo-core path'), or remove moe:.")
+    _check(moe.num_experts >= 1 and 1 <= moe.top_k <= moe.num_experts,
+           f"moe.top_k ({moe.top_k}) must be between 1 and moe.num_experts ({moe.num_experts}).")
+    for key in ("hidden_size", "shared_hidden_size"):
+        value = getattr(moe, key)
+        _check(value is None or value >= 1, f"moe.{key} must be >= 1, or null (got {value}).")
+    _check(moe.capacity_factor is None or moe.capacity_factor > 0,
+           f"moe.capacity_factor must be > 0, or null for dropless (got {moe.capacity_factor}).")
+    for key in ("lb_loss_weight", "z_loss_weight"):
+        value = getattr(moe, key)
+        _check(value is None or value >= 0, f"moe.{key} must be >= 0, or null for none (got {value}).")
+
+
+def validate_run(cfg: SiameseTrainConfig, olmo_core: bool = False) -> None:
+    """The values a run cannot start with, each as one line. Model-type specifics: config.validate_model_config.
+    ``olmo_core``: the run trains on the OLMo-core path (which alone builds ``moe:``)."""
     for key, value in _numbers(cfg.asdict()):
         _check(math.isfinite(value), f"{key} is {value}: every number in the config must be finite; give it a real "
                                      "value (or null where the field allows it).")
@@ -266,6 +305,8 @@ def validate_run(cfg: SiameseTrainConfig) -> None:
            "loss_chunk_tokens and fused_loss are two replacements of the loss; set one of them.")
     problem = stability_problem(cfg.stability)
     _check(problem is None, problem or "")
+    if cfg.moe is not None:
+        _check_moe(cfg, olmo_core)
     _check(cfg.global_train_batch_size >= 1 and cfg.device_train_microbatch_size >= 1,
            "global_train_batch_size and device_train_microbatch_size must be >= 1.")
     try:

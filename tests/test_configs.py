@@ -26,6 +26,13 @@ def test_recipes_exist():
 def test_recipe_builds_for_every_model_type(path, model_type):
     cfg = load_config(str(path))
     assert cfg.model.model_type is None  # recipes leave the choice to MODEL_TYPE
+    if cfg.moe is not None:  # an MoE recipe: the OLMo-core path's (tests/test_olmo_core_moe.py checks its sizes)
+        core_config = pytest.importorskip("siamesenorm.olmo_core.config")
+        from siamesenorm.olmo_core.blocks import CORE_MOE_BLOCKS
+
+        model = core_config.transformer_config(cfg.model, model_type, moe=cfg.moe).build(init_device="meta")
+        assert {type(b) for b in model.blocks.values()} == {CORE_MOE_BLOCKS[model_type]}
+        return
     big = cfg.model.d_model >= 2048
     cfg.model.init_device = "meta" if big else "cpu"
     model = build_model(cfg.model, model_type, init_params=not big)

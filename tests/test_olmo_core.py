@@ -109,7 +109,7 @@ def test_model_type_selection_and_config_round_trip(monkeypatch):
     tc = olmo_core_config.transformer_config(config, model_type="post_pre")
     tc.block.model_type = None  # then MODEL_TYPE decides, else pre, as on the ai2-olmo path
     monkeypatch.setenv("MODEL_TYPE", "hc")
-    assert type(tc.build(init_device="cpu").blocks["0"]) is core_blocks.HyperConnectionBlock
+    assert type(tc.build(init_device="cpu").blocks["0"]) is core_blocks.CORE_BLOCKS["hc"]
     monkeypatch.delenv("MODEL_TYPE")
     assert type(tc.build(init_device="cpu").blocks["0"]) is core_blocks.CORE_BLOCKS["pre"]
     # OLMo-core's own config files keep our block config and its knobs
@@ -119,7 +119,7 @@ def test_model_type_selection_and_config_round_trip(monkeypatch):
     assert type(again.block) is olmo_core_config.SiameseBlockConfig
     assert again.block.knobs == {"post_pre_x_norm_position": "after_addition"}
     monkeypatch.setenv("MODEL_TYPE", "hc")  # as on the ai2-olmo path, MODEL_TYPE wins over the config's field
-    assert type(again.build(init_device="cpu").blocks["0"]) is core_blocks.HyperConnectionBlock
+    assert type(again.build(init_device="cpu").blocks["0"]) is core_blocks.CORE_BLOCKS["hc"]
     monkeypatch.delenv("MODEL_TYPE")
     block = again.build(init_device="cpu").blocks["1"]
     assert block.knob("post_pre_x_norm_position") == "after_addition"

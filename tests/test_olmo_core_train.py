@@ -67,6 +67,29 @@ def test_two_processes_fsdp_train_save_resume_reproduce_the_losses(tmp_path, aus
     assert expected[6] < expected[1]
 
 
+def test_two_processes_train_save_resume_an_moe(tmp_path, austen_prepared):
+    """hybrid_pre over OLMo-core's MoE (4 experts, top 2; its router, auxiliary losses and FSDP), two processes:
+    stopped at step 3 and resumed, the losses and the load-balancing losses are the uninterrupted run's."""
+    moe = ["--moe.num_experts=4", "--moe.top_k=2"]
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    run = _train(whole, *moe, processes=2, port=29711)
+    assert run.returncode == 0, run.stderr[-3000:]
+    first = _train(split, *moe, "--stop_at=3", processes=2, port=29712)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = _train(split, *moe, processes=2, port=29713)
+    assert second.returncode == 0, second.stderr[-3000:]
+    expected = _losses(whole)
+    assert sorted(expected) == [1, 2, 3, 4, 5, 6] and _losses(split) == expected
+    assert expected[6] < expected[1]
+    records = [json.loads(line) for line in (whole / "metrics.jsonl").read_text().splitlines()]
+    balance = {r["step"]: r["train/load balancing loss"] for r in records if "train/load balancing loss" in r}
+    assert sorted(balance) == [1, 2, 3, 4, 5, 6] and all(v > 0 for v in balance.values())
+    assert all(f"train/block {b:02d}/router Z loss" in records[1] for b in range(4))
+    split_records = [json.loads(line) for line in (split / "metrics.jsonl").read_text().splitlines()]
+    assert {r["step"]: r["train/load balancing loss"] for r in split_records
+            if "train/load balancing loss" in r} == balance
+
+
 class _Bomb:
     def __init__(self, marker):
         self.marker = marker

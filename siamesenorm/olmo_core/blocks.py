@@ -3,6 +3,11 @@ update rules of ``siamesenorm.nn`` (the functions the ai2-olmo adapters in siame
 has one definition for both frameworks). The equations of each variant are in the docstring of its file in
 siamesenorm/variants/; the classes here only say which OLMo-core module plays which part.
 
+Each topology is written once, as a mixin over OLMo-core's block, and hosted twice (``hosted``): over its dense
+``TransformerBlock`` (``CORE_BLOCKS``) and over its ``MoETransformerBlock`` (``CORE_MOE_BLOCKS``), where the
+feed-forward F of the update rules is OLMo-core's MoE: its router, experts, shared expert and auxiliary losses,
+unchanged; only the residual / normalisation topology around it is ours.
+
 The state between blocks is the one tensor OLMo-core's model loop passes on (``StackedStreams``): n streams
 concatenated on the feature axis, widened from the embedding by block 0 and fused by the last block before
 OLMo-core's LM head (its final norm and output layer). Differences from the ai2-olmo blocks (docs/architecture.md):
@@ -34,7 +39,8 @@ require_olmo_core()
 
 from olmo_core.nn.attention import Attention  # noqa: E402
 from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType  # noqa: E402
-from olmo_core.nn.transformer.block import TransformerBlock  # noqa: E402
+from olmo_core.nn.transformer.block import (MoETransformerBlock, TransformerBlock,  # noqa: E402
+                                            TransformerBlockBase)
 
 from ..nn.topologies import (HyperConnection, ManifoldHyperConnection, StackedStreams, depth_connection,
                              hybrid_norm_update, post_norm_update, siamese_hybrid_attention,
@@ -44,16 +50,21 @@ from ..variants.deepnorm import deepnorm_alpha, deepnorm_beta
 from ..variants.mixln import mixln_post_layers
 from ..variants.spec import knob
 
-__all__ = ["CoreTopologyBlock", "VHeadNormAttention", "CORE_BLOCKS", "core_block_class"]
+__all__ = ["CoreTopologyBlock", "VHeadNormAttention", "TOPOLOGIES", "CORE_BLOCKS", "CORE_MOE_BLOCKS", "hosted",
+           "core_block_class"]
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
 
 
-class CoreTopologyBlock(StackedStreams, TransformerBlock):
-    """OLMo-core's ``TransformerBlock`` (its attention, feed-forward and two norms) with the forward of a topology.
+class CoreTopologyBlock(StackedStreams):
+    """The forward of a topology over an OLMo-core block, dense or MoE: a mixin whose host is OLMo-core's
+    ``TransformerBlock`` (attention, feed-forward, two norms) or ``MoETransformerBlock`` (the same with
+    ``feed_forward_moe``: OLMo-core's router, experts and auxiliary losses, unchanged). ``hosted`` makes the
+    concrete classes, ``CORE_BLOCKS`` / ``CORE_MOE_BLOCKS`` list them.
 
-    ``knobs``: the variant knobs (a dict; a missing knob has its default). Subclasses write ``forward`` with
-    ``self.attend(kwargs)`` and ``self.mlp`` as the core's branches, and list the OLMo-core norms they do not use."""
+    ``knobs``: the variant knobs (a dict; a missing knob has its default). A topology writes ``forward(x, *,
+    loss_div_factor=None, **kwargs)`` over ``attn, mlp = self.sublayers(kwargs, loss_div_factor)``, the core's two
+    branches, and lists the OLMo-core norms it does not use."""
 
     STREAMS: Tuple[str, ...] = ("residual",)
 
@@ -90,26 +101,41 @@ class CoreTopologyBlock(StackedStreams, TransformerBlock):
         return config.build(size or self.d_model, init_device=self._init_device)
 
     # ---- the host's sublayers as the core's branches -----------------------------------------------------------
-    def attend(self, kwargs: dict, out_norm: Optional[nn.Module] = None) -> Branch:
-        """branch(h) = dropout(Attn(h)) with OLMo-core's attention and this forward's keyword arguments (RoPE
-        buffers, document lengths); ``out_norm`` (if given) normalises the output first."""
-        return functools.partial(self._attention_branch, kwargs, out_norm)
+    def sublayers(self, kwargs: dict, loss_div_factor=None, attn_out_norm: Optional[nn.Module] = None,
+                  ff_out_norm: Optional[nn.Module] = None) -> Tuple[Branch, Branch]:
+        """(attn, mlp): branch(h) = dropout(Attn(h)) with OLMo-core's attention and this forward's keyword
+        arguments (RoPE buffers, document lengths), and dropout(F(h)) with the block's feed-forward, dense or MoE
+        (then with the trainer's ``loss_div_factor`` for its auxiliary losses); an ``*_out_norm`` normalises that
+        sublayer's output first."""
+        feed_forward = (functools.partial(self.feed_forward_moe, loss_div_factor=loss_div_factor)
+                        if self.is_moe else self.feed_forward)
+        return (functools.partial(self._branch, functools.partial(self.attention, **kwargs), attn_out_norm),
+                functools.partial(self._branch, feed_forward, ff_out_norm))
 
-    def _attention_branch(self, kwargs: dict, out_norm: Optional[nn.Module], h: torch.Tensor) -> torch.Tensor:
-        out = self.attention(h, **kwargs)
+    def _branch(self, sublayer: Branch, out_norm: Optional[nn.Module], h: torch.Tensor) -> torch.Tensor:
+        out = sublayer(h)
         return self.branch_dropout(out_norm(out) if out_norm is not None else out)
 
-    def mlp(self, h: torch.Tensor, out_norm: Optional[nn.Module] = None) -> torch.Tensor:
-        out = self.feed_forward(h)
-        return self.branch_dropout(out_norm(out) if out_norm is not None else out)
+    def feed_forward_matrices(self) -> Tuple[Tuple[torch.Tensor, ...], Tuple[torch.Tensor, ...]]:
+        """(input matrices, output matrices) of the feed-forward: w1, w3 and w2 of the dense SwiGLU, or of every
+        expert and the shared expert of an MoE (DeepNorm's and hc's init scaling act on them)."""
+        if not self.is_moe:
+            return (self.feed_forward.w1.weight, self.feed_forward.w3.weight), (self.feed_forward.w2.weight,)
+        experts, shared = self.feed_forward_moe.experts.mlp, self.feed_forward_moe.shared_mlp
+        inputs, outputs = [experts.w1, experts.w3], [experts.w2]
+        if shared is not None:
+            inputs += [shared.w1.weight, shared.w3.weight]
+            outputs.append(shared.w2.weight)
+        return tuple(inputs), tuple(outputs)
 
     def norm(self, module: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         return module(x)
 
-    def pre_norm_forward(self, x: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    def pre_norm_forward(self, x: torch.Tensor, kwargs: dict, loss_div_factor=None) -> torch.Tensor:
         """OLMo-core's own block: x + Attn(LN(x)), then x + MLP(LN(x))."""
-        x = x + self.attend(kwargs)(self.attention_norm(x))
-        return x + self.mlp(self.feed_forward_norm(x))
+        attn, mlp = self.sublayers(kwargs, loss_div_factor)
+        x = x + attn(self.attention_norm(x))
+        return x + mlp(self.feed_forward_norm(x))
 
 
 class VHeadNormAttention(Attention):
@@ -133,18 +159,19 @@ def _add_v_head_norm(block: CoreTopologyBlock) -> None:
     block.attention.v_norm = block.new_norm(block.attention.head_dim, elementwise_affine=affine)
 
 
-# ---- one class per MODEL_TYPE (pre is OLMo-core's own TransformerBlock) ------------------------------------------
-class PostNormBlock(CoreTopologyBlock):
+# ---- one topology per MODEL_TYPE (pre is OLMo-core's own block) --------------------------------------------------------
+class PostNorm(CoreTopologyBlock):
     residual_scale: float = 1.0
     position_knob: Optional[str] = "post_norm_position"
 
     def forward(self, x, *, loss_div_factor=None, **kwargs):
+        attn, mlp = self.sublayers(kwargs, loss_div_factor)
         position = self.knob(self.position_knob) if self.position_knob is not None else "after_addition"
-        x = post_norm_update(x, self.attend(kwargs), self.attention_norm, position, self.residual_scale)
-        return post_norm_update(x, self.mlp, self.feed_forward_norm, position, self.residual_scale)
+        x = post_norm_update(x, attn, self.attention_norm, position, self.residual_scale)
+        return post_norm_update(x, mlp, self.feed_forward_norm, position, self.residual_scale)
 
 
-class DeepNormBlock(PostNormBlock):
+class DeepNorm(PostNorm):
     position_knob = None
 
     def __init__(self, **kwargs):
@@ -155,21 +182,21 @@ class DeepNormBlock(PostNormBlock):
     def scale_init(self) -> None:
         """DeepNorm's beta on the V, output and MLP weights, after OLMo-core's init (``init_variant_weights``)."""
         with torch.no_grad():
-            for linear in (self.attention.w_v, self.attention.w_out, self.feed_forward.w1, self.feed_forward.w3,
-                           self.feed_forward.w2):
-                linear.weight.mul_(self.init_scale)
+            inputs, outputs = self.feed_forward_matrices()
+            for weight in (self.attention.w_v.weight, self.attention.w_out.weight, *inputs, *outputs):
+                weight.mul_(self.init_scale)
 
 
-class MixLNBlock(PostNormBlock):
+class MixLN(PostNorm):
     position_knob = None
 
     def forward(self, x, *, loss_div_factor=None, **kwargs):
         if self.block_idx < mixln_post_layers(SimpleNamespace(**vars(self.knobs), n_layers=self.n_layers)):
-            return super().forward(x, **kwargs)
-        return self.pre_norm_forward(x, kwargs)
+            return super().forward(x, loss_div_factor=loss_div_factor, **kwargs)
+        return self.pre_norm_forward(x, kwargs, loss_div_factor)
 
 
-class HybridNormBlock(CoreTopologyBlock):
+class HybridNorm(CoreTopologyBlock):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         _add_v_head_norm(self)
@@ -179,22 +206,23 @@ class HybridNormBlock(CoreTopologyBlock):
         return ("attention_norm",)  # the Q/K/V norms replace the attention's input norm
 
     def forward(self, x, *, loss_div_factor=None, **kwargs):
-        x = hybrid_norm_update(x, self.attend(kwargs))
-        return hybrid_norm_update(x, self.mlp, self.feed_forward_norm)
+        attn, mlp = self.sublayers(kwargs, loss_div_factor)
+        x = hybrid_norm_update(x, attn)
+        return hybrid_norm_update(x, mlp, self.feed_forward_norm)
 
 
-class HybridStarBlock(HybridNormBlock):
+class HybridStar(HybridNorm):
     @classmethod
     def unused_norms(cls, knobs, block_idx):
         return () if block_idx == 0 else ("attention_norm",)
 
     def forward(self, x, *, loss_div_factor=None, **kwargs):
         if not self.is_first:
-            return super().forward(x, **kwargs)
-        return self.pre_norm_forward(x, kwargs)
+            return super().forward(x, loss_div_factor=loss_div_factor, **kwargs)
+        return self.pre_norm_forward(x, kwargs, loss_div_factor)
 
 
-class PeriNormBlock(CoreTopologyBlock):
+class PeriNorm(CoreTopologyBlock):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         self.attn_out_norm = self.new_norm()
@@ -203,16 +231,17 @@ class PeriNormBlock(CoreTopologyBlock):
             self.emb_norm = self.new_norm()
 
     def forward(self, x, *, loss_div_factor=None, **kwargs):
+        attn, mlp = self.sublayers(kwargs, loss_div_factor, self.attn_out_norm, self.ff_out_norm)
         if self.is_first:
             x = self.emb_norm(x)
-        x = x + self.attend(kwargs, out_norm=self.attn_out_norm)(self.attention_norm(x))
-        return x + self.mlp(self.feed_forward_norm(x), out_norm=self.ff_out_norm)
+        x = x + attn(self.attention_norm(x))
+        return x + mlp(self.feed_forward_norm(x))
 
     def skip(self, x):
         return self.emb_norm(x) if self.is_first else x
 
 
-class PreEmbedNormBlock(CoreTopologyBlock):
+class PreEmbedNorm(CoreTopologyBlock):
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
         if self.is_first:  # RMSNorm without a scale, whatever the config's norm type (as the ai2-olmo block)
@@ -222,13 +251,13 @@ class PreEmbedNormBlock(CoreTopologyBlock):
     def forward(self, x, *, loss_div_factor=None, **kwargs):
         if self.is_first:
             x = self.emb_norm(x)
-        return self.pre_norm_forward(x, kwargs)
+        return self.pre_norm_forward(x, kwargs, loss_div_factor)
 
     def skip(self, x):
         return self.emb_norm(x) if self.is_first else x
 
 
-class ResiDualBlock(CoreTopologyBlock):
+class ResiDual(CoreTopologyBlock):
     STREAMS = ("post_ln", "accumulator")
 
     def __init__(self, **kwargs):
@@ -237,8 +266,9 @@ class ResiDualBlock(CoreTopologyBlock):
             self.out_norm_dual = self.new_norm()
 
     def forward(self, x, *, loss_div_factor=None, **kwargs):
+        attn, mlp = self.sublayers(kwargs, loss_div_factor)
         xs, ds = self.split_streams(x)
-        for branch, norm in ((self.attend(kwargs), self.attention_norm), (self.mlp, self.feed_forward_norm)):
+        for branch, norm in ((attn, self.attention_norm), (mlp, self.feed_forward_norm)):
             o = branch(xs)
             xs = norm(xs + o)  # X: Post-LN
             ds = ds + o  # D collects the raw sublayer output
@@ -249,7 +279,7 @@ class ResiDualBlock(CoreTopologyBlock):
         return [xs, self.out_norm_dual(ds)]
 
 
-class TwoStreamBlock(CoreTopologyBlock):
+class TwoStream(CoreTopologyBlock):
     """Both SiameseNorm blocks: c(l) and the final fusion LN^out_X(X) + LN^out_Y(Y) in the last block."""
 
     def __init__(self, **kwargs):
@@ -264,7 +294,7 @@ class TwoStreamBlock(CoreTopologyBlock):
         return [self.out_norm_x(x_stream), self.out_norm_y(y_stream)]
 
 
-class SiamesePostPreBlock(TwoStreamBlock):
+class SiamesePostPre(TwoStream):
     STREAMS = ("x_post", "y_pre")
 
     def __init__(self, **kwargs):
@@ -278,18 +308,19 @@ class SiamesePostPreBlock(TwoStreamBlock):
         return () if knob(knobs, "siamese_normalized_input") else ("attention_norm", "feed_forward_norm")
 
     def forward(self, x, *, loss_div_factor=None, **kwargs):
+        attn, mlp = self.sublayers(kwargs, loss_div_factor)
         xs, ys = self.split_streams(x)
         normalized = self.knob("siamese_normalized_input")
         position = self.knob("post_pre_x_norm_position")
-        for branch, prefix, in_norm in ((self.attend(kwargs), "attn", "attention_norm"),
-                                        (self.mlp, "ff", "feed_forward_norm")):
+        for branch, prefix, in_norm in ((attn, "attn", "attention_norm"),
+                                        (mlp, "ff", "feed_forward_norm")):
             xs, ys = siamese_update(
                 xs, ys, branch, x_norm=getattr(self, f"{prefix}_norm_x"), y_norm=getattr(self, f"{prefix}_norm_y"),
                 in_norm=getattr(self, in_norm) if normalized else None, c=self.depth_scale, x_norm_position=position)
         return self.finish([xs, ys])
 
 
-class SiameseHybridPreBlock(TwoStreamBlock):
+class SiameseHybridPre(TwoStream):
     STREAMS = ("x_hybrid", "y_pre")
 
     def __init__(self, **kwargs):
@@ -309,16 +340,17 @@ class SiameseHybridPreBlock(TwoStreamBlock):
         nn.init.ones_(self.gamma)
 
     def forward(self, x, *, loss_div_factor=None, **kwargs):
+        attn, mlp = self.sublayers(kwargs, loss_div_factor)
         xs, ys = self.split_streams(x)
-        xs, ys = siamese_hybrid_attention(xs, ys, self.attend(kwargs), gamma=self.gamma, y_norm=self.attn_norm_y,
+        xs, ys = siamese_hybrid_attention(xs, ys, attn, gamma=self.gamma, y_norm=self.attn_norm_y,
                                           x_norm=None, c=self.depth_scale)
         in_norm = self.feed_forward_norm if self.knob("siamese_normalized_input") else None
-        xs, ys = siamese_update(xs, ys, self.mlp, y_norm=self.ff_norm_y, x_norm=self.attn_norm_x, in_norm=in_norm,
+        xs, ys = siamese_update(xs, ys, mlp, y_norm=self.ff_norm_y, x_norm=self.attn_norm_x, in_norm=in_norm,
                                 c=self.depth_scale, x_norm_position="before_sublayer")
         return self.finish([xs, ys])
 
 
-class ConnectedStreamsBlock(CoreTopologyBlock):
+class ConnectedStreams(CoreTopologyBlock):
     """hc and mhc: a connection of siamesenorm.nn around each sublayer, whose branch keeps its Pre-Norm."""
 
     EXPANSION_KNOB = ""
@@ -329,16 +361,17 @@ class ConnectedStreamsBlock(CoreTopologyBlock):
         return tuple(f"stream_{i + 1}" for i in range(knob(knobs, cls.EXPANSION_KNOB)))
 
     def forward(self, x, *, loss_div_factor=None, **kwargs):
+        attn, mlp = self.sublayers(kwargs, loss_div_factor)
         h = self.stacked(x)
         attn_conn, ff_conn = (getattr(self, name) for name in self.connection_names)
-        for conn, branch, pre_norm in ((attn_conn, self.attend(kwargs), self.attention_norm),
-                                       (ff_conn, self.mlp, self.feed_forward_norm)):
+        for conn, branch, pre_norm in ((attn_conn, attn, self.attention_norm),
+                                       (ff_conn, mlp, self.feed_forward_norm)):
             inp, carried, weights = conn.width(h)
             h = depth_connection(carried, weights, branch(pre_norm(inp)))
         return self.finish(list(h.unbind(-2)))
 
 
-class HyperConnectionBlock(ConnectedStreamsBlock):
+class HyperConnections(ConnectedStreams):
     EXPANSION_KNOB = "hc_expansion_rate"
     connection_names = ("attn_hc", "ff_hc")
 
@@ -353,11 +386,11 @@ class HyperConnectionBlock(ConnectedStreamsBlock):
         """The output weights start divided by sqrt(n) (``hc_scale_output_init``), after OLMo-core's init."""
         if self.knob("hc_scale_output_init"):
             with torch.no_grad():
-                for linear in (self.attention.w_out, self.feed_forward.w2):
-                    linear.weight.div_(math.sqrt(self.n_streams))
+                for weight in (self.attention.w_out.weight, *self.feed_forward_matrices()[1]):
+                    weight.div_(math.sqrt(self.n_streams))
 
 
-class ManifoldHyperConnectionBlock(ConnectedStreamsBlock):
+class ManifoldHyperConnections(ConnectedStreams):
     EXPANSION_KNOB = "mhc_expansion_rate"
     connection_names = ("attn_mhc", "ff_mhc")
 
@@ -373,21 +406,38 @@ class ManifoldHyperConnectionBlock(ConnectedStreamsBlock):
         return [s / self.n_streams for s in streams]
 
 
-#: MODEL_TYPE -> OLMo-core block class; ``pre`` is OLMo-core's own block.
-CORE_BLOCKS: Dict[str, Type[TransformerBlock]] = {
-    "pre": TransformerBlock, "post": PostNormBlock, "hybrid": HybridNormBlock, "hc": HyperConnectionBlock,
-    "post_pre": SiamesePostPreBlock, "hybrid_pre": SiameseHybridPreBlock, "deepnorm": DeepNormBlock,
-    "residual": ResiDualBlock, "mixln": MixLNBlock, "peri": PeriNormBlock, "mhc": ManifoldHyperConnectionBlock,
-    "hybrid_star": HybridStarBlock, "pre_embednorm": PreEmbedNormBlock,
+#: MODEL_TYPE -> the topology (``pre``: none, OLMo-core's own forward).
+TOPOLOGIES: Dict[str, Optional[Type[CoreTopologyBlock]]] = {
+    "pre": None, "post": PostNorm, "hybrid": HybridNorm, "hc": HyperConnections, "post_pre": SiamesePostPre,
+    "hybrid_pre": SiameseHybridPre, "deepnorm": DeepNorm, "residual": ResiDual, "mixln": MixLN, "peri": PeriNorm,
+    "mhc": ManifoldHyperConnections, "hybrid_star": HybridStar, "pre_embednorm": PreEmbedNorm,
 }
+
+
+def hosted(topology: Optional[Type[CoreTopologyBlock]], host: Type[TransformerBlockBase]) -> Type[TransformerBlockBase]:
+    """The block class of ``topology`` over OLMo-core's ``host`` block, a module-level class named
+    ``<Topology>Block`` (dense) or ``<Topology>MoEBlock``; no topology: the host itself."""
+    if topology is None:
+        return host
+    name = topology.__name__ + ("MoEBlock" if host is MoETransformerBlock else "Block")
+    cls = type(name, (topology, host), {"__module__": __name__, "__qualname__": name,
+                                        "__doc__": f"{topology.__name__} over OLMo-core's {host.__name__}."})
+    globals()[name] = cls  # importable by name (pickling, config round trips)
+    return cls
+
+
+#: MODEL_TYPE -> OLMo-core block class, over its dense block and over its MoE block.
+CORE_BLOCKS: Dict[str, Type[TransformerBlockBase]] = {t: hosted(c, TransformerBlock) for t, c in TOPOLOGIES.items()}
+CORE_MOE_BLOCKS: Dict[str, Type[TransformerBlockBase]] = {t: hosted(c, MoETransformerBlock)
+                                                          for t, c in TOPOLOGIES.items()}
 
 #: The MODEL_TYPEs whose attention normalises Q, K and V per head (HybridNorm's attention).
 QKV_HEAD_NORM_TYPES = ("hybrid", "hybrid_star", "hybrid_pre")
 
 
-def core_block_class(model_type: str) -> Type[TransformerBlock]:
+def core_block_class(model_type: str, moe: bool = False) -> Type[TransformerBlockBase]:
     try:
-        return CORE_BLOCKS[model_type]
+        return (CORE_MOE_BLOCKS if moe else CORE_BLOCKS)[model_type]
     except KeyError:
         raise ValueError(f"MODEL_TYPE {model_type!r} has no OLMo-core block yet; the OLMo-core path has "
                          f"{', '.join(CORE_BLOCKS)}") from None

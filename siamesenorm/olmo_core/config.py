@@ -22,16 +22,18 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from . import moe_kernels
 from .blocks import QKV_HEAD_NORM_TYPES, core_block_class  # checks the OLMo-core release first
 
 from olmo_core.nn.attention import AttentionConfig
 from olmo_core.nn.feed_forward import FeedForwardConfig
 from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
 from olmo_core.nn.lm_head import LMHeadConfig
+from olmo_core.nn.moe import MoEConfig, MoERouterConfig, MoEType
 from olmo_core.nn.rope import RoPEConfig
-from olmo_core.nn.transformer.config import TransformerBlockConfig, TransformerConfig
+from olmo_core.nn.transformer.config import TransformerBlockConfig, TransformerConfig, TransformerType
 
-__all__ = ["SiameseBlockConfig", "SiameseTransformerConfig", "transformer_config", "olmo_to_core_state",
+__all__ = ["SiameseBlockConfig", "SiameseTransformerConfig", "transformer_config", "moe_config", "olmo_to_core_state",
            "core_to_olmo_state", "enum_value"]
 
 
@@ -53,7 +55,9 @@ class SiameseBlockConfig(TransformerBlockConfig):
         from ..config import resolve_model_type
 
         model_type, _ = resolve_model_type(self)  # reads self.model_type as it reads model.model_type
-        block_class = core_block_class(model_type)
+        if self.feed_forward_moe is not None:
+            moe_kernels.install()  # PyTorch permutation kernels where OLMo-core has no Triton (CPU)
+        block_class = core_block_class(model_type, moe=self.feed_forward_moe is not None)
         kwargs = self.as_dict(exclude_none=True, recurse=False)
         for name in ("name", "model_type", "knobs"):
             kwargs.pop(name, None)
@@ -110,9 +114,22 @@ def _refuse_unsupported(model_config) -> None:
             raise ValueError(f"the OLMo-core path cannot build this model: {message}")
 
 
-def transformer_config(model_config, model_type: Optional[str] = None) -> TransformerConfig:
+def moe_config(moe, d_model: int) -> MoEConfig:
+    """OLMo-core's ``MoEConfig`` for a recipe's ``moe:`` (``siamesenorm.runconfig.MoESettings``): SwiGLU experts
+    without biases, softmax top-k routing, dropless unless a capacity factor is given."""
+    shared = moe.shared_hidden_size
+    return MoEConfig(
+        name=MoEType.dropless if moe.capacity_factor is None else MoEType.default, num_experts=moe.num_experts,
+        hidden_size=moe.hidden_size or d_model // 2, capacity_factor=moe.capacity_factor,
+        router=MoERouterConfig(top_k=moe.top_k), lb_loss_weight=moe.lb_loss_weight,
+        z_loss_weight=moe.z_loss_weight,
+        shared_mlp=FeedForwardConfig(hidden_size=shared, bias=False) if shared else None)
+
+
+def transformer_config(model_config, model_type: Optional[str] = None, moe=None) -> TransformerConfig:
     """OLMo-core's ``TransformerConfig`` for one of our model configs (``SiameseModelConfig`` or OLMo's own);
-    ``model_type`` as in ``siamesenorm.build_model`` (argument > ``MODEL_TYPE`` > ``model.model_type`` > pre)."""
+    ``model_type`` as in ``siamesenorm.build_model`` (argument > ``MODEL_TYPE`` > ``model.model_type`` > pre).
+    ``moe`` (a recipe's ``moe:``): an MoE transformer, each block's feed-forward OLMo-core's MoE."""
     from ..config import validate_model_config, resolve_model_type
     from ..variants import VARIANTS
 
@@ -135,12 +152,13 @@ def transformer_config(model_config, model_type: Optional[str] = None) -> Transf
               else model_config.mlp_ratio * model_config.d_model) // 2  # OLMo's SwiGLU projects to 2 x hidden
     block = SiameseBlockConfig(
         sequence_mixer=attention, layer_norm=_norm_config(model_config),
-        feed_forward=FeedForwardConfig(hidden_size=hidden, bias=model_config.include_bias),
+        feed_forward=FeedForwardConfig(hidden_size=hidden, bias=model_config.include_bias) if moe is None else None,
+        feed_forward_moe=moe_config(moe, model_config.d_model) if moe is not None else None,
         dropout=model_config.residual_dropout or None, model_type=name,
         knobs={k.name: getattr(model_config, k.name) for k in VARIANTS[name].knobs if hasattr(model_config, k.name)})
     vocab = model_config.embedding_size or model_config.vocab_size
     return SiameseTransformerConfig(
-        d_model=model_config.d_model, vocab_size=vocab, n_layers=model_config.n_layers, block=block,
+        name=TransformerType.default if moe is None else TransformerType.moe, d_model=model_config.d_model, vocab_size=vocab, n_layers=model_config.n_layers, block=block,
         lm_head=LMHeadConfig(layer_norm=_norm_config(model_config), bias=model_config.include_bias),
         embedding_norm=_norm_config(model_config) if model_config.embedding_layer_norm else None,
         init_std=model_config.init_std, tie_word_embeddings=bool(model_config.weight_tying))

@@ -32,6 +32,8 @@ from olmo_core.config import DType
 from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
 from olmo_core.distributed.parallel import DataParallelType
 from olmo_core.distributed.utils import get_rank
+from olmo_core.nn.moe import MoERouter
+from olmo_core.nn.moe.mlp import MoEMLPBase
 from olmo_core.optim import AdamWConfig, CosWithWarmup, OptimGroupOverride
 from olmo_core.train import Duration, TrainerConfig, prepare_training_environment, teardown_training_environment
 from olmo_core.train.callbacks import Callback, CheckpointerCallback
@@ -70,11 +72,14 @@ def no_decay_names(model, cfg) -> List[str]:
     """The parameters that take no weight decay, as ai2-olmo's groups place them (siamesenorm/trainer.py): only
     the weights of linear layers decay (the embedding too with ``optimizer.decay_embeddings``, norms and biases with
     ``optimizer.decay_norm_and_bias``), plus the coefficients a topology lists in ``weight_decay_params`` (hc's
-    dynamic projections)."""
+    dynamic projections). An MoE's expert matrices and its router's weight are linear weights, and decay."""
     decayed = set()
     for module_name, module in model.named_modules():
         prefix = module_name + "." if module_name else ""
-        if isinstance(module, nn.Linear):
+        if isinstance(module, (MoEMLPBase, MoERouter)):
+            decayed.update(prefix + n for n, p in module.named_parameters(recurse=False) if p.dim() >= 1 and
+                           not n.endswith("bias"))
+        elif isinstance(module, nn.Linear):
             decayed.add(prefix + "weight")
             if module.bias is not None and cfg.optimizer.decay_norm_and_bias:
                 decayed.add(prefix + "bias")
@@ -100,7 +105,7 @@ def build_components(cfg, world_size: int = 1):
     """(model config, train module config, dataset config, data loader config, trainer config) for a loaded recipe,
     after the checks a run of scripts/train.py makes before step 1 (values, batch split, token files against their
     manifests and the vocabulary, one global batch of data), each a one-line ``RunError``."""
-    validate_run(cfg)
+    validate_run(cfg, olmo_core=True)
     check_batch_split(cfg, world_size)
     if cfg.evaluators:
         log.warning("the OLMo-core path runs no in-loop evaluators yet; %d in the recipe skipped",
@@ -109,7 +114,7 @@ def build_components(cfg, world_size: int = 1):
     check_data(cfg)  # also expands data.paths to the token files
     model = cfg.model
     seq = model.max_sequence_length
-    model_config = transformer_config(model)
+    model_config = transformer_config(model, moe=cfg.moe)
     model_config.init_seed = cfg.seed
     save_folder = str(cfg.save_folder)
     data = NumpyFSLDatasetConfig(
