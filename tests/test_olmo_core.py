@@ -141,3 +141,16 @@ def test_bad_input_is_one_line(monkeypatch):
     monkeypatch.setitem(sys.modules, "olmo_core.version", types.SimpleNamespace(VERSION="0.1.0"))
     with pytest.raises(ImportError, match="needs ai2-olmo-core 3, this environment has 0.1.0"):
         require_olmo_core()
+
+
+def test_parameter_counts_match_the_ai2_olmo_count_before_any_build():
+    """OLMo-core logs ``num_params`` before it builds; ours counts the variant's parameters too, so the 1.3B
+    recipe's count is the ai2-olmo path's (docs/training.md's table) for every MODEL_TYPE."""
+    from siamesenorm import num_params_from_config
+    from siamesenorm.runconfig import load_config
+
+    cfg = load_config("configs/OLMo-1B-1e-3.yaml", ["--save_folder=/tmp/unused-count"])
+    for model_type in MODEL_TYPES:
+        core = olmo_core_config.transformer_config(cfg.model, model_type)
+        assert core.num_params == num_params_from_config(cfg.model, model_type), model_type
+        assert core.num_active_params == core.num_params  # dense: every parameter is active

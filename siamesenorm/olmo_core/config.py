@@ -72,7 +72,28 @@ class SiameseBlockConfig(TransformerBlockConfig):
 class SiameseTransformerConfig(TransformerConfig):
     """OLMo-core's ``TransformerConfig``; the model it builds runs each block's ``scale_init`` (DeepNorm's beta,
     hc's output scaling) right after OLMo-core's own ``init_weights``, which re-initialises the attention and
-    feed-forward weights of every block and offers no per-block hook."""
+    feed-forward weights of every block and offers no per-block hook. Its parameter counts (the one OLMo-core
+    logs before building, the active count of an MoE) include the variant's own parameters."""
+
+    @property
+    def num_params(self) -> int:
+        """All parameters, ours too (OLMo-core's count knows only its own block types)."""
+        return super().num_params + self._variant_params()
+
+    @property
+    def num_active_params(self) -> int:
+        """The parameters a token uses (an MoE's unrouted experts left out), ours too."""
+        return super().num_active_params + self._variant_params()
+
+    def _variant_params(self) -> int:
+        """What the variant's blocks hold beyond OLMo-core's count of their config (stream norms, gamma, the
+        connections; less an unused norm), counted on blocks built on the meta device (nothing is allocated)."""
+        extra = 0
+        for index, block_config in enumerate(self.resolved_block_configs):
+            block = block_config.build(d_model=self.d_model, block_idx=index, n_layers=self.n_layers,
+                                       init_device="meta")
+            extra += sum(p.numel() for p in block.parameters()) - block_config.num_params(self.d_model)
+        return extra
 
     def build(self, *, init_device: str = "cpu"):
         model = super().build(init_device=init_device)
