@@ -1,8 +1,9 @@
 """What every OLMo adapter shares: OLMo's sequential block cut into its two sublayers, and the stacked-stream state.
 
-A variant's block subclasses ``TopologyBlock`` and writes ``forward`` as the update rules of siamesenorm.nn applied
-to OLMo's sublayers (``attention_sublayer``, ``mlp_sublayer``) and norms (``normed``). A block maps one tensor to one
-tensor, as OLMo's model loop expects. A topology with n streams carries them concatenated on the feature axis,
+A variant's block subclasses ``TopologyBlock`` and writes ``update(x, attention)``: the update rules of
+siamesenorm.nn applied to OLMo's sublayers (``attention``, the call's ``AttentionCall``, and ``self.mlp``) and norms
+(``normed``). OLMo's call contract (six arguments in, ``(x, KV cache)`` out) is ``TopologyBlock.forward``, written
+once. A block maps one tensor to one tensor, as OLMo's model loop expects. A topology with n streams carries them concatenated on the feature axis,
 (B, T, n * d_model): block 0 widens the embedding into n streams and the last block fuses them back to
 (B, T, d_model) (``siamesenorm.nn.StackedStreams``, shared with the OLMo-core blocks), so OLMo's own final norm
 ``ln_f`` is the topology's final norm and everything that happens between blocks (KV cache, activation
@@ -23,7 +24,7 @@ from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
 from ..nn.topologies import DEPTH_SCALING_FORMS, StackedStreams, depth_connection, depth_divisor
 from .spec import Knob, knob
 
-__all__ = ["TopologyBlock", "ConnectedStreamsBlock", "TwoStreamBlock", "SIAMESE_KNOBS", "depth_scale",
+__all__ = ["TopologyBlock", "AttentionCall", "ConnectedStreamsBlock", "TwoStreamBlock", "SIAMESE_KNOBS", "depth_scale",
            "RECOMPUTE_DEFAULT", "recompute_call", "set_recompute"]
 
 KVCache = Optional[Tuple[torch.Tensor, torch.Tensor]]
@@ -82,11 +83,33 @@ class _Absent:
         pass
 
 
+class AttentionCall:
+    """The attention sublayer of one block call: ``attention(h)`` is dropout(Attn(h)) with OLMo's projections,
+    attention and the call's arguments (bias, past keys and values, cache flag, document lengths), no input norm;
+    ``out_norm`` (if given) normalises its output first. The KV cache it returns is kept on ``cache``, which the
+    block returns. ``olmo_forward(x)`` is OLMo's own sequential block (Pre-Norm) with the same arguments."""
+
+    def __init__(self, block: "TopologyBlock", attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens):
+        self.block = block
+        self.arguments = (attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        self.cache: KVCache = None
+
+    def __call__(self, h: torch.Tensor, out_norm: Optional[LayerNormBase] = None) -> torch.Tensor:
+        out, self.cache = self.block.attention_branch(h, *self.arguments, out_norm)
+        return out
+
+    def olmo_forward(self, x: torch.Tensor) -> torch.Tensor:
+        attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens = self.arguments
+        x, self.cache = OLMoSequentialBlock.forward(self.block, x, attention_bias, layer_past, use_cache,
+                                                    max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens)
+        return x
+
+
 class TopologyBlock(StackedStreams, OLMoSequentialBlock):
     """OLMo's sequential block with its forward replaced by a topology; its weights and attention are reused.
 
-    Subclasses write ``forward``, name their streams (``STREAMS``, or ``streams_for`` when the count is a knob) and
-    list the OLMo norms they do not use (``unused_norms``: removed, so DDP sees no unused parameter)."""
+    Subclasses write ``update(x, attention)``, name their streams (``STREAMS``, or ``streams_for`` when the count
+    is a knob) and list the OLMo norms they do not use (``unused_norms``: removed, so DDP sees no unused parameter)."""
 
     #: What each stream of the stacked state is, in order (the analysis tools label streams with these).
     STREAMS: Tuple[str, ...] = ("residual",)
@@ -128,23 +151,23 @@ class TopologyBlock(StackedStreams, OLMoSequentialBlock):
             if isinstance(module, LayerNormBase):
                 module.reset_parameters()
 
+    # ---- the call contract, written once ------------------------------------------------------------------
+    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+        """OLMo's block call (its six arguments, ``(x, KV cache)`` back), for every adapter: the call's arguments
+        go to the attention sublayer once (``AttentionCall``), the topology's ``update`` computes the new state,
+        and the KV cache of the call comes back beside it."""
+        attention = AttentionCall(self, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        return self.update(x, attention), attention.cache
+
+    def update(self, x: torch.Tensor, attention: "AttentionCall") -> torch.Tensor:
+        """The topology's equations: the new (stacked) state from ``x``, with ``attention(h)`` and
+        ``self.mlp(h)`` as the sublayers (no input norm in either) and ``self.norm(module, h)`` for norms."""
+        raise NotImplementedError(f"{type(self).__name__} must define update(x, attention)")
+
     # ---- OLMo's sublayers and norms, as the core's branches and norms ----------------------------------------
-    def attention_sublayer(self, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens,
-                           out_norm: Optional[LayerNormBase] = None):
-        """(branch, caches): branch(h) = dropout(Attn(h)) with OLMo's projections and attention, no input norm;
-        OLMo's KV cache of the call lands in ``caches``. ``out_norm`` (if given) normalises the output first."""
-        caches: List[KVCache] = []
-
-        def branch(h: torch.Tensor) -> torch.Tensor:
-            out, cache = self.attention_branch(h, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens,
-                                               out_norm)
-            caches.append(cache)
-            return out
-
-        return branch, caches
-
-    def mlp_sublayer(self, out_norm: Optional[LayerNormBase] = None) -> Callable[[torch.Tensor], torch.Tensor]:
-        return lambda h: self.mlp_branch(h, out_norm)
+    def mlp(self, h: torch.Tensor, out_norm: Optional[LayerNormBase] = None) -> torch.Tensor:
+        """The MLP sublayer as a branch: dropout(MLP(h)), no input norm (``mlp_branch``)."""
+        return self.mlp_branch(h, out_norm)
 
     def normed(self, module: Optional[nn.Module]) -> Optional[Norm]:
         """``module`` as the core's norm argument (``self.norm``: recomputed in backward); None stays None."""
@@ -209,16 +232,14 @@ class ConnectedStreamsBlock(TopologyBlock):
         for name in self.connection_names:
             getattr(self, name).reset_parameters()
 
-    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+    def update(self, x, attention):
         h = self.stacked(x)
         attn_conn, ff_conn = (getattr(self, name) for name in self.connection_names)
-        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
-        for conn, branch, pre_norm in ((attn_conn, attention, self.attn_norm), (ff_conn, self.mlp_sublayer(),
-                                                                                 self.ff_norm)):
+        for conn, branch, pre_norm in ((attn_conn, attention, self.attn_norm), (ff_conn, self.mlp, self.ff_norm)):
             # the width connection and the branch's Pre-Norm as one cheap part: backward keeps only h
             inp, carried, weights = self.cheap(functools.partial(_width_then_norm, conn, pre_norm), h)
             h = depth_connection(carried, weights, branch(inp))
-        return self.finish(list(h.unbind(-2))), caches[0]  # the last block fuses the streams (contributions)
+        return self.finish(list(h.unbind(-2)))  # the last block fuses the streams (contributions)
 
 
 def _width_then_norm(conn: nn.Module, norm: nn.Module, h: torch.Tensor):

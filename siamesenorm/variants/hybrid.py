@@ -55,10 +55,9 @@ class HybridNormBlock(QKVHeadNormAttention):
     def unused_norms(cls, config, layer_id):
         return ("attn_norm",)  # the Q/K/V norms replace the attention's input norm
 
-    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
-        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+    def update(self, x, attention):
         x = hybrid_norm_update(x, attention)
-        return hybrid_norm_update(x, self.mlp_sublayer(), self.normed(self.ff_norm)), caches[0]
+        return hybrid_norm_update(x, self.mlp, self.normed(self.ff_norm))
 
 
 VARIANT = Variant(name="hybrid", display_name="HybridNorm", colour="tab:red", block=HybridNormBlock, order=2,

@@ -52,18 +52,17 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
         super().reset_parameters()
         nn.init.ones_(self.gamma)
 
-    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+    def update(self, x, attention):
         xs, ys = self.split_streams(x)
-        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
         # LN^X_attn (attn_norm_x) is applied at the start of the MLP's input fusion rather than at the end of the
         # attention sublayer: the same X, one tensor fewer kept for backward
         xs, ys = siamese_hybrid_attention(xs, ys, attention, gamma=self.gamma, y_norm=self.attn_norm_y, x_norm=None,
                                           c=self.depth_scale, run=self.cheap)
         in_norm = self.ff_norm if knob(self.config, "siamese_normalized_input") else None
-        xs, ys = siamese_update(xs, ys, self.mlp_sublayer(), y_norm=self.ff_norm_y, x_norm=self.attn_norm_x,
+        xs, ys = siamese_update(xs, ys, self.mlp, y_norm=self.ff_norm_y, x_norm=self.attn_norm_x,
                                 in_norm=in_norm, c=self.depth_scale, x_norm_position="before_sublayer",
                                 run=self.cheap)
-        return self.finish([xs, ys]), caches[0]
+        return self.finish([xs, ys])
 
     def input_scales(self, previous: "SiameseHybridPreBlock | None") -> dict:
         """(scale of X, scale of Y) as each sublayer's input receives them (paper figure 6): gamma and LN^Y_attn for

@@ -19,12 +19,11 @@ class HybridStarBlock(HybridNormBlock):
     def unused_norms(cls, config, layer_id):
         return () if layer_id == 0 else ("attn_norm",)
 
-    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+    def update(self, x, attention):
         if not self.is_first:
-            return super().forward(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
-        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+            return super().update(x, attention)
         x = x + attention(self.norm(self.attn_norm, x))
-        return x + self.mlp_branch(self.norm(self.ff_norm, x)), caches[0]
+        return x + self.mlp(self.norm(self.ff_norm, x))
 
 
 VARIANT = Variant(name="hybrid_star", display_name="HybridNorm*", colour="darkred", block=HybridStarBlock, order=11,

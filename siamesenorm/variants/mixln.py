@@ -13,7 +13,6 @@ from __future__ import annotations
 import math
 
 from olmo.config import ModelConfig
-from olmo.model import OLMoSequentialBlock
 
 from .post import PostNormBlock
 from .spec import Knob, Variant, knob
@@ -33,12 +32,10 @@ class MixLNBlock(PostNormBlock):
         super().__init__(layer_id, config, cache)
         self.is_post_ln = layer_id < mixln_post_layers(config)
 
-    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+    def update(self, x, attention):
         if self.is_post_ln:
-            return self.post_norm_forward(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
-        return OLMoSequentialBlock.forward(
-            self, x, attention_bias, layer_past, use_cache, max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens
-        )
+            return super().update(x, attention)
+        return attention.olmo_forward(x)  # OLMo's own Pre-Norm block
 
 
 VARIANT = Variant(

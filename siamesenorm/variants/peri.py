@@ -24,14 +24,11 @@ class PeriNormBlock(TopologyBlock):
         if self.is_first:
             self.emb_norm = self.new_norm()
 
-    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+    def update(self, x, attention):
         if self.is_first:
             x = self.norm(self.emb_norm, x)
-        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens,
-                                                    out_norm=self.attn_out_norm)
-        x = x + attention(self.norm(self.attn_norm, x))
-        x = x + self.mlp_branch(self.norm(self.ff_norm, x), out_norm=self.ff_out_norm)
-        return x, caches[0]
+        x = x + attention(self.norm(self.attn_norm, x), out_norm=self.attn_out_norm)
+        return x + self.mlp(self.norm(self.ff_norm, x), out_norm=self.ff_out_norm)
 
     def skip(self, x):
         return self.norm(self.emb_norm, x) if self.is_first else x

@@ -31,15 +31,11 @@ class PostNormBlock(TopologyBlock):
     #: The config field that picks the placement; None: always after the addition (DeepNorm, Mix-LN's Post-LN layers).
     position_knob: Optional[str] = "post_norm_position"
 
-    def post_norm_forward(self, x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens):
+    def update(self, x, attention):
         position = knob(self.config, self.position_knob) if self.position_knob is not None else "after_addition"
-        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
         x = post_norm_update(x, attention, self.normed(self.attn_norm), position, self.residual_scale)
-        x = post_norm_update(x, self.mlp_sublayer(), self.normed(self.ff_norm), position, self.residual_scale)
-        return x, caches[0]
-
-    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
-        return self.post_norm_forward(x, attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
+        x = post_norm_update(x, self.mlp, self.normed(self.ff_norm), position, self.residual_scale)
+        return x
 
 
 VARIANT = Variant(

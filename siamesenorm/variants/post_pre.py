@@ -56,17 +56,16 @@ class SiamesePostPreBlock(TwoStreamBlock):
     def x_norm_before_sublayer(self) -> bool:
         return knob(self.config, "post_pre_x_norm_position") == "before_sublayer"
 
-    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+    def update(self, x, attention):
         xs, ys = self.split_streams(x)
-        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
         normalized = knob(self.config, "siamese_normalized_input")
         position = knob(self.config, "post_pre_x_norm_position")
-        for branch, prefix in ((attention, "attn"), (self.mlp_sublayer(), "ff")):
+        for branch, prefix in ((attention, "attn"), (self.mlp, "ff")):
             xs, ys = siamese_update(
                 xs, ys, branch, x_norm=getattr(self, f"{prefix}_norm_x"), y_norm=getattr(self, f"{prefix}_norm_y"),
                 in_norm=getattr(self, f"{prefix}_norm") if normalized else None, c=self.depth_scale,
                 x_norm_position=position, run=self.cheap)
-        return self.finish([xs, ys]), caches[0]
+        return self.finish([xs, ys])
 
     def input_scales(self, previous: "SiamesePostPreBlock | None") -> dict:
         """(scale of X, scale of Y) as each sublayer's input receives them (paper figure 6): X's scale is that of

@@ -9,7 +9,7 @@ It separates "the embedding's scale" from "the residual stream's growth" in the 
 
 from __future__ import annotations
 
-from olmo.model import OLMoSequentialBlock, RMSLayerNorm
+from olmo.model import RMSLayerNorm
 
 from ._block import TopologyBlock
 from .peri import validate_own_embedding_norm
@@ -24,12 +24,10 @@ class PreEmbedNormBlock(TopologyBlock):
         if self.is_first:
             self.emb_norm = RMSLayerNorm(config, size=config.d_model, elementwise_affine=False)
 
-    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+    def update(self, x, attention):
         if self.is_first:
             x = self.norm(self.emb_norm, x)
-        return OLMoSequentialBlock.forward(
-            self, x, attention_bias, layer_past, use_cache, max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens
-        )
+        return attention.olmo_forward(x)  # OLMo's own Pre-Norm block
 
     def skip(self, x):
         return self.norm(self.emb_norm, x) if self.is_first else x

@@ -31,14 +31,13 @@ class ResiDualBlock(TopologyBlock):
         if self.is_last:
             self.out_norm_dual = self.new_norm()
 
-    def forward(self, x, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None, cu_doc_lens=None):
+    def update(self, x, attention):
         xs, ds = self.split_streams(x)
-        attention, caches = self.attention_sublayer(attention_bias, layer_past, use_cache, max_doc_len, cu_doc_lens)
-        for branch, norm in ((attention, self.attn_norm), (self.mlp_sublayer(), self.ff_norm)):
+        for branch, norm in ((attention, self.attn_norm), (self.mlp, self.ff_norm)):
             o = branch(xs)
             xs = self.norm(norm, xs + o)  # X: Post-LN
             ds = ds + o  # D collects the raw sublayer output
-        return self.finish([xs, ds]), caches[0]
+        return self.finish([xs, ds])
 
     def contributions(self, streams):  # X + LN^D(D)
         xs, ds = streams
