@@ -84,3 +84,95 @@ def test_knob_checks_are_declared_on_every_knob_and_fail_in_one_sentence():
         assert "\n" not in str(caught.value)
     whole = KNOBS["hc_expansion_rate"]
     assert whole.check(2.5) and whole.check(True) and whole.check(3) is None  # a whole number, not a bool
+
+
+THROWAWAY = '''"""Pre-Norm with a learned scale on each residual branch (a throwaway variant, kept outside the package):
+
+    X = X + a_attn * Attn(LN(X)),    X = X + a_ff * MLP(LN(X)),    a initialised to toy_branch_scale_init
+"""
+
+import torch
+import torch.nn as nn
+
+from ._block import TopologyBlock
+from .spec import Knob, Variant
+
+
+class ScaledBranchBlock(TopologyBlock):
+    def __init__(self, layer_id, config, cache):
+        super().__init__(layer_id, config, cache)
+        self.branch_scale = nn.Parameter(torch.empty(2, device=config.init_device))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        if hasattr(self, "branch_scale"):
+            nn.init.constant_(self.branch_scale, self.config.toy_branch_scale_init)
+
+    def update(self, x, attention):
+        x = x + self.branch_scale[0] * attention(self.norm(self.attn_norm, x))
+        return x + self.branch_scale[1] * self.mlp(self.norm(self.ff_norm, x))
+
+
+VARIANT = Variant(name="toy_scaled", block=ScaledBranchBlock,
+                  knobs=(Knob("toy_branch_scale_init", 0.5, minimum=0.0, doc="a, at initialisation"),))
+'''
+
+
+def test_a_variant_in_one_file_outside_the_package_trains_and_reaches_tables_and_figures(tmp_path):
+    """The proof that a variant is one file: a throwaway one, written to a folder of its own and named by
+    SIAMESENORM_VARIANTS, with nothing else edited: it is a MODEL_TYPE with its knob, trains through OLMo's
+    Trainer (its coefficient moves), has a run record, a row in the tables and a curve in the figures."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_training import SMALL, TINY, learnable_tokens
+
+    root = Path(__file__).resolve().parents[1]
+    folder = tmp_path / "my-variants"
+    folder.mkdir()
+    (folder / "toy_scaled.py").write_text(THROWAWAY)
+    data = learnable_tokens(tmp_path / "data" / "train.npy")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(SIAMESENORM_VARIANTS=str(folder), MODEL_TYPE="toy_scaled", OMP_NUM_THREADS="1")
+    run = tmp_path / "run"
+
+    def call(*args, timeout=300):
+        proc = subprocess.run([sys.executable, *map(str, args)], cwd=root, env=env, capture_output=True, text=True,
+                              timeout=timeout)
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+        return proc.stdout
+
+    call(root / "scripts" / "train.py", TINY, *SMALL, f"--data.paths=[{data}]", "--max_duration=6",
+         "--save_interval_unsharded=6", "--model.toy_branch_scale_init=0.25", f"--save_folder={run}")
+    record = json.loads((run / "run.json").read_text())
+    assert record["model_type"] == "toy_scaled" and record["status"] == "finished"
+    probe = ("import sys, torch; from siamesenorm.checkpoints import load_model_state; "
+             "s = load_model_state(sys.argv[1]); print(s['transformer.blocks.0.branch_scale'].tolist())")
+    scale = json.loads(call("-c", probe, run / "step6-unsharded"))
+    assert scale != [0.25, 0.25] and all(abs(v - 0.25) < 0.2 for v in scale)  # trained from its knob's value
+    table = call(root / "scripts" / "make_tables.py", run)
+    assert "| toy_scaled (toy_branch_scale_init=0.25) |" in table  # its row, with its changed knob
+    out = tmp_path / "figures"
+    call(root / "scripts" / "analyze.py", "loss-curves", run, "--output", out)
+    assert (out / "loss-curves.png").stat().st_size > 0
+    assert "toy_scaled" in (out / "loss-curves.json").read_text()
+    env["MODEL_TYPE"] = "pre"  # the extra folder changes nothing for the package's own variants
+    assert call("-c", "from siamesenorm.config import MODEL_TYPES; print(MODEL_TYPES[-1], len(MODEL_TYPES))"
+                ).split()[0] == "toy_scaled"
+
+
+def test_a_variant_folder_that_is_missing_or_shadows_a_variant_is_one_line(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    (tmp_path / "pre.py").write_text("VARIANT = None\n")
+    for folder, message in ((tmp_path / "absent", "is not a folder"), (tmp_path, "has the name of a variant")):
+        env = dict(os.environ, SIAMESENORM_VARIANTS=str(folder))
+        proc = subprocess.run([sys.executable, "-c", "import siamesenorm.variants"], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert proc.returncode != 0 and message in proc.stderr.strip().splitlines()[-1]

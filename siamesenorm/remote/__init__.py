@@ -23,6 +23,7 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Optional
 
+from .. import variants
 from .olmo_lite import unsupported
 
 __all__ = ["write_remote_code", "remote_refusal", "AUTO_MAP", "REWRITES", "check_imports"]
@@ -55,13 +56,17 @@ def _source(name: str) -> Path:
         return PACKAGE / "nn" / "topologies.py"
     if name in ("olmo_lite.py", "modeling_siamesenorm.py"):
         return HERE / name
+    for folder in variants.__path__:  # the package's folder, then SIAMESENORM_VARIANTS' folders
+        if (Path(folder) / name).is_file():
+            return Path(folder) / name
     return PACKAGE / "variants" / name
 
 
 def _rewrite(name: str, text: str) -> str:
     for pattern, replacement in REWRITES:
         text = pattern.sub(replacement, text)
-    origin = _source(name).relative_to(PACKAGE.parent)
+    source = _source(name)
+    origin = source.relative_to(PACKAGE.parent) if source.is_relative_to(PACKAGE.parent) else source
     header = (f"# Written by siamesenorm's export from {origin} (import lines pointed at this folder's files, "
               "nothing else changed).\n")
     return header + text

@@ -2,19 +2,43 @@
 sublayers and norms), its name, display name, colour, knobs and their validation, in ``VARIANT``.
 
 The registry is derived from the files: every module here whose name does not start with an underscore (and is
-not ``spec``) must define ``VARIANT``. Adding a variant is one new file (plus its tests).
+not ``spec``) must define ``VARIANT``. Adding a variant is one new file (plus its tests). A variant file may also
+live outside the package, in a folder named by the ``SIAMESENORM_VARIANTS`` environment variable (several joined
+with ``os.pathsep``): it is imported as ``siamesenorm.variants.<name>`` (so ``from ._block import TopologyBlock``
+works there too) and registered like the package's own.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib
+import os
 import pkgutil
+from pathlib import Path
 from typing import Dict
 
 from .spec import Knob, Variant
 
 __all__ = ["VARIANTS", "KNOBS", "KNOB_OWNERS", "TABLE_ORDER", "Variant", "Knob"]
+
+
+#: The environment variable naming folders of variant files kept outside the package.
+EXTRA_VARIANTS_VARIABLE = "SIAMESENORM_VARIANTS"
+
+
+def _add_extra_folders() -> None:
+    """Put the folders of ``SIAMESENORM_VARIANTS`` on this package's search path (after its own folder)."""
+    own = {info.name for info in pkgutil.iter_modules(__path__[:1])}
+    for folder in filter(None, os.environ.get(EXTRA_VARIANTS_VARIABLE, "").split(os.pathsep)):
+        if not Path(folder).is_dir():
+            raise ImportError(f"{EXTRA_VARIANTS_VARIABLE} names {folder}, which is not a folder; point it at the "
+                              "folder holding your variant files, or unset it")
+        clash = sorted(own & {p.stem for p in Path(folder).glob("*.py")})
+        if clash:
+            raise ImportError(f"{Path(folder) / (clash[0] + '.py')} has the name of a variant of the package; "
+                              "rename the file (a MODEL_TYPE is its file name)")
+        if str(Path(folder).resolve()) not in __path__:
+            __path__.append(str(Path(folder).resolve()))
 
 
 def _discover() -> Dict[str, Variant]:
@@ -55,6 +79,7 @@ SPARE_COLOURS = ("teal", "darkgoldenrod", "slateblue", "olivedrab", "firebrick",
 
 
 #: MODEL_TYPE -> Variant, in the documented order (display names and colours filled in).
+_add_extra_folders()
 VARIANTS: Dict[str, Variant] = _discover()
 #: The MODEL_TYPEs in the tables' row order.
 TABLE_ORDER = tuple(v.name for v in sorted(VARIANTS.values(), key=lambda v: _position(v, "table_row")))
