@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from olmo.model import OLMo
 
 from .checkpoints import checkpoint_folder, load_model  # noqa: F401  (re-exported: analysis.load_model)
-from .variants._block import TopologyBlock
+from .variants._base import TopologyBlock
 
 __all__ = [
     "NotApplicable",

@@ -356,7 +356,7 @@ def recompute_cost(settings: BenchSettings) -> Dict[str, Dict[str, float]]:
     recompute on (pre's two norms are recomputed too when on)."""
     from torch.utils.benchmark import Timer
 
-    from .variants._block import set_recompute
+    from .variants._base import set_recompute
 
     cfg = model_config(settings)
     steps = {mt: _Variant(mt, "eager", settings, cfg) for mt in dict.fromkeys(["pre", *settings.model_types])}

@@ -17,7 +17,7 @@ from olmo.config import BlockType, ModelConfig
 
 from .nn.topologies import DEPTH_SCALING_FORMS, NORM_POSITIONS, SINKHORN_ORDERS
 from .variants import KNOB_OWNERS, KNOBS, VARIANTS
-from .variants._block import RECOMPUTE_DEFAULT, depth_scale
+from .variants._base import RECOMPUTE_DEFAULT, depth_scale
 from .variants.spec import UNSET, fail, knob
 
 __all__ = [

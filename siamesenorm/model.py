@@ -11,7 +11,7 @@ from olmo.model import OLMo
 
 from .config import as_siamese_config, resolve_model_type, validate_model_config
 from .registry import forced_model_type
-from .variants._block import set_recompute
+from .variants._base import set_recompute
 from .variants.spec import fail
 
 __all__ = ["build_model", "num_params_from_config"]

@@ -146,9 +146,48 @@ class StabilityMonitor:
         return len(self.spikes)
 
     def restore(self, spikes: List[Dict[str, float]], grad_spikes: Optional[List[Dict[str, float]]] = None) -> None:
-        """Continue the spike counts of a resumed run (its windows start empty)."""
+        """Continue the spike counts of a resumed run whose checkpoint predates ``state_dict`` (from its run
+        record; the windows start empty)."""
         self.spikes = list(spikes)
         self.grad_spikes = list(grad_spikes or [])
+
+    #: The state a checkpoint keeps (the trainer state's ``stability``): windows, counters and the spikes so far.
+    _WINDOWS = ("window", "grad_window", "recent")
+    _FLAGS = ("in_spike", "in_grad_spike")
+
+    def state_dict(self) -> Dict[str, Any]:
+        """Everything the rule has seen, as plain lists and numbers: a resumed run takes the same decisions as
+        the uninterrupted one would have (its windows, its consecutive-steps counter, an open spike)."""
+        return {**{name: list(getattr(self, name)) for name in self._WINDOWS},
+                **{name: bool(getattr(self, name)) for name in self._FLAGS},
+                "above_bound": int(self.above_bound),
+                "spikes": [dict(s) for s in self.spikes], "grad_spikes": [dict(s) for s in self.grad_spikes]}
+
+    def load_state_dict(self, state: Any) -> bool:
+        """Take a checkpoint's ``state_dict``; a malformed one (a checkpoint is untrusted) is ignored: False."""
+        def numbers(values, limit=None):
+            ok = isinstance(values, list) and all(isinstance(v, (int, float)) for v in values)
+            return ok and (limit is None or len(values) <= limit)
+
+        def spike_list(values):
+            return isinstance(values, list) and all(
+                isinstance(v, dict) and all(isinstance(k, str) and isinstance(x, (int, float)) for k, x in v.items())
+                for v in values)
+
+        windows_ok = isinstance(state, dict) and all(numbers(state.get(name), getattr(self, name).maxlen)
+                                                     for name in self._WINDOWS)
+        if not (windows_ok and all(isinstance(state.get(f), bool) for f in self._FLAGS)
+                and isinstance(state.get("above_bound"), int)
+                and spike_list(state.get("spikes")) and spike_list(state.get("grad_spikes"))):
+            return False
+        for name in self._WINDOWS:
+            getattr(self, name).clear()
+            getattr(self, name).extend(float(v) for v in state[name])
+        for name in self._FLAGS:
+            setattr(self, name, state[name])
+        self.above_bound = state["above_bound"]
+        self.spikes, self.grad_spikes = list(state["spikes"]), list(state["grad_spikes"])
+        return True
 
     def update(self, step: int, loss: float, grad_norm: Optional[float]) -> None:
         if not self.cfg.enabled:

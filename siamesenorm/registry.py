@@ -19,7 +19,7 @@ from olmo.model import BufferCache, OLMoBlock
 from . import _hook
 from .config import MODEL_TYPES, resolve_model_type, validate_model_config
 from .variants import VARIANTS
-from .variants._block import RECOMPUTE_DEFAULT, TopologyBlock, set_recompute
+from .variants._base import RECOMPUTE_DEFAULT, TopologyBlock, set_recompute
 
 __all__ = ["BLOCKS", "block_class", "block_for", "install_hook", "forced_model_type"]
 

@@ -238,6 +238,10 @@ def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: st
 
     optim = build_optimizer_with_coefficients(cfg, dist_model)
     scheduler = build_scheduler(cfg)
+    unigram = None
+    if cfg.stability.unigram_loss is None and cfg.data.paths:
+        unigram = unigram_loss([str(p) for p in cfg.data.paths], str(cfg.data.memmap_dtype), cfg.model.vocab_size)
+    monitor = StabilityMonitor(cfg.stability, cfg.model.vocab_size, warmup_steps(cfg), unigram)
     previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
     try:
         with SiameseTrainer(
@@ -251,6 +255,8 @@ def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: st
             device=device,
             evaluators=evaluators,
             indices_file=indices_file,
+            monitor=monitor,
+            record_info=record_info(cfg, config_path, model_type, source, olmo_model.num_params(), monitor),
         ) as trainer:
             return run(trainer, cfg, config_path, model_type, source, load_path, action, BoltOnWarmupScheduler)
     finally:
@@ -345,15 +351,10 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
         log.info("unsharded checkpoint saved to %s", path)
     if cfg.stop_at is None and cfg.stop_after is None:
         cfg.stop_at = trainer.max_steps  # OLMo would otherwise run 10 steps past max_duration
-    unigram = None
-    if cfg.stability.unigram_loss is None and cfg.data.paths:
-        unigram = unigram_loss([str(p) for p in cfg.data.paths], str(cfg.data.memmap_dtype), cfg.model.vocab_size)
-    trainer.monitor = StabilityMonitor(cfg.stability, cfg.model.vocab_size, warmup_steps(cfg), unigram)
-    trainer.record_info = record_info(cfg, config_path, model_type, source, trainer.model.num_params(),
-                                      trainer.monitor)
     if action == "resume" and previous:
-        trainer.monitor.restore([s for s in previous.get("spikes", []) if s["step"] <= trainer.global_step],
-                                [s for s in previous.get("grad_spikes", []) if s["step"] <= trainer.global_step])
+        if not trainer.restored_stability:  # a checkpoint from before the guard's state was kept: the record's spikes
+            trainer.monitor.restore([s for s in previous.get("spikes", []) if s["step"] <= trainer.global_step],
+                                    [s for s in previous.get("grad_spikes", []) if s["step"] <= trainer.global_step])
         trainer.record_info["attempts"] = previous.get("attempts", []) + [
             {"resumed_at_step": trainer.global_step, "previous_status": previous.get("status"),
              "previous_error": previous.get("error")}

@@ -16,6 +16,7 @@ import random
 import shutil
 import socket
 import time
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Dict, List, Optional
@@ -47,14 +48,18 @@ def _is_no_space(err: BaseException) -> bool:
     return any(s in text for s in ("file write failed", "failed writing", "No space left", "unexpected pos"))
 
 
+@dataclass
 class SiameseTrainer(Trainer):
-    """OLMo's Trainer plus a metrics file, the divergence guard, the run record; CPU-safe RNG state."""
+    """OLMo's Trainer plus a metrics file, the divergence guard, the run record; CPU-safe RNG state. The guard's
+    state is part of the trainer state a checkpoint keeps (``stability``), so a resumed run continues it."""
 
-    last_eval_metrics: Dict[str, float] = {}
-    last_train_metrics: Dict[str, float] = {}
-    last_eval_step: Optional[int] = None
     monitor: Optional[StabilityMonitor] = None
     record_info: Optional[Dict[str, Any]] = None  # the run's fixed facts; None: no run record (unit tests)
+    last_eval_metrics: Dict[str, float] = field(default_factory=dict)
+    last_train_metrics: Dict[str, float] = field(default_factory=dict)
+    last_eval_step: Optional[int] = None
+    #: Whether the last restored checkpoint carried the guard's state (older checkpoints do not).
+    restored_stability: bool = False
 
     def __post_init__(self):
         super().__post_init__()
@@ -80,6 +85,30 @@ class SiameseTrainer(Trainer):
             raise NoSpace(f"no space left while saving the checkpoint of step {self.global_step} in "
                           f"{self.cfg.save_folder} ({str(err).splitlines()[0][:120]}); the last good checkpoint "
                           "stays: free space and rerun the same command to resume from it") from None
+
+    def trainer_state_dict(self) -> Dict[str, Any]:
+        """OLMo's trainer state (on CPU with an empty CUDA RNG state, which OLMo reads unconditionally) plus the
+        divergence guard's state."""
+        if torch.cuda.is_available():
+            state = super().trainer_state_dict()
+        else:
+            real = torch.cuda.get_rng_state
+            torch.cuda.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)  # type: ignore[assignment]
+            try:
+                state = super().trainer_state_dict()
+            finally:
+                torch.cuda.get_rng_state = real  # type: ignore[assignment]
+        if self.monitor is not None:
+            state["stability"] = self.monitor.state_dict()
+        return state
+
+    def load_trainer_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        super().load_trainer_state_dict(state_dict)
+        loaded = state_dict.get("stability")
+        self.restored_stability = bool(self.monitor is not None and loaded is not None
+                                       and self.monitor.load_state_dict(loaded))
+        if loaded is not None and not self.restored_stability:
+            log.warning("the checkpoint's divergence-guard state is malformed; the guard starts afresh")
 
     # ---- stability ----------------------------------------------------------------------------------------------
     def train_step(self, batch: Dict[str, Any], reduce_global_loss: bool = True) -> Dict[str, float]:
@@ -214,16 +243,6 @@ class SiameseTrainer(Trainer):
         if wandb.run is not None:
             wandb.finish(exit_code=exit_code)
         super().close(exit_code)
-
-    def trainer_state_dict(self) -> Dict[str, Any]:
-        if torch.cuda.is_available():
-            return super().trainer_state_dict()
-        real = torch.cuda.get_rng_state
-        torch.cuda.get_rng_state = lambda *a, **k: torch.empty(0, dtype=torch.uint8)  # type: ignore[assignment]
-        try:
-            return super().trainer_state_dict()
-        finally:
-            torch.cuda.get_rng_state = real  # type: ignore[assignment]
 
     def restore_rng_state(self, rng_state: Dict[str, Any]) -> None:
         random.setstate(rng_state["python"])

@@ -53,7 +53,7 @@ def _tiny_loss(model, ids):
 def test_recomputing_norms_and_stream_mixing_is_exact(model_type, monkeypatch):
     """model.recompute_cheap reruns the same ops in backward: the loss and every gradient are bit-identical to saving
     them (pre's norms included)."""
-    from siamesenorm.variants._block import set_recompute
+    from siamesenorm.variants._base import set_recompute
 
     model = build_model(tiny_config(n_layers=3), model_type)
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(2))

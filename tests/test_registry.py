@@ -37,7 +37,7 @@ def _discover_with(monkeypatch, tmp_path, source: str, name: str):
 
 def test_a_new_file_is_a_new_variant(monkeypatch, tmp_path):
     found = _discover_with(monkeypatch, tmp_path, """
-        from siamesenorm.variants._block import TopologyBlock
+        from siamesenorm.variants._base import TopologyBlock
         from siamesenorm.variants.spec import Knob, Variant
 
         class ToyBlock(TopologyBlock):
@@ -94,7 +94,7 @@ THROWAWAY = '''"""Pre-Norm with a learned scale on each residual branch (a throw
 import torch
 import torch.nn as nn
 
-from ._block import TopologyBlock
+from ._base import TopologyBlock
 from .spec import Knob, Variant
 
 

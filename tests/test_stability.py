@@ -59,6 +59,42 @@ def test_noisy_but_healthy_losses_have_no_spike():
     assert m.spike_count == 0
 
 
+def test_the_guard_state_resumes_the_decisions_of_the_uninterrupted_run():
+    """A checkpoint keeps the guard's state (windows, the consecutive-steps counter, an open spike): stopped
+    mid-spike and mid-run of bad steps and resumed from its state_dict, the guard decides as if never stopped;
+    from the run record's spike list alone (older checkpoints) it would not."""
+    losses = [3.0] * 8 + [4.0, 4.5] + [3.0] * 3 + [9.0, 9.0]  # a spike in progress at step 10, bad steps 14-15
+    whole = monitor(max_loss=5.0)
+    feed(whole, losses)
+    expected = whole.state_dict()
+    assert [x["step"] for x in whole.spikes] == [9, 14] and whole.above_bound == 2
+    with pytest.raises(Diverged) as err:
+        whole.update(16, 9.0, 1.0)  # the third bad step in a row
+    stopped = monitor(max_loss=5.0)
+    feed(stopped, losses[:9])  # stopped at step 9, inside the spike
+    state = json.loads(json.dumps(stopped.state_dict()))  # plain data, as a checkpoint holds it
+    resumed = monitor(max_loss=5.0)
+    assert resumed.load_state_dict(state)
+    feed(resumed, losses[9:], start=10)
+    assert resumed.state_dict() == expected
+    with pytest.raises(Diverged) as again:
+        resumed.update(16, 9.0, 1.0)
+    assert again.value.reason == err.value.reason
+    legacy = monitor(max_loss=5.0)  # the record's spikes only: empty windows, no open spike
+    legacy.restore(stopped.spikes)
+    feed(legacy, losses[9:], start=10)
+    assert legacy.state_dict()["window"] != expected["window"]  # its window refilled from the spike's losses
+
+
+@pytest.mark.parametrize("bad", [None, [], {"window": "x"}, {"window": [1.0] * 99}])
+def test_a_malformed_guard_state_is_ignored(bad):
+    m = monitor()
+    feed(m, [3.0] * 6)
+    before = m.state_dict()
+    state = dict(before, **bad) if isinstance(bad, dict) else bad
+    assert m.load_state_dict(state) is False and m.state_dict() == before
+
+
 def test_bad_settings_are_refused():
     with pytest.raises(ValueError, match="spike_factor"):
         monitor(spike_factor=0.9)

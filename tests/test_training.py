@@ -93,6 +93,11 @@ def test_torchrun_train_save_resume_is_exact(tmp_path, strategy, model_type):
         assert torch.equal(a[name], b[name]), name
     saved = (split / "step16" if strategy == "fsdp" else split / "step16-unsharded") / "config.yaml"
     assert f"model_type: {model_type}" in saved.read_text()
+    if strategy == "ddp":  # (FSDP's legacy shards hold the same trainer state, beside sharded tensors)
+        from siamesenorm.safeload import load as safe_load
+
+        guard = safe_load(split / "step16-unsharded" / "train.pt")["stability"]  # the guard's state rides along:
+        assert guard["recent"] == pytest.approx([full[s] for s in range(1, 17)], rel=1e-6)  # steps 1-8 from step8
 
 
 @pytest.mark.parametrize("strategy,model_type", [("ddp", "deepnorm"), ("ddp", "residual"), ("ddp", "mixln"),

@@ -45,7 +45,7 @@ from olmo_core.nn.transformer.block import (MoETransformerBlock, TransformerBloc
 from ..nn.topologies import (HyperConnection, ManifoldHyperConnection, StackedStreams, depth_connection,
                              hybrid_norm_update, post_norm_update, siamese_hybrid_attention,
                              siamese_update)
-from ..variants._block import depth_scale
+from ..variants._base import depth_scale
 from ..variants.deepnorm import deepnorm_alpha, deepnorm_beta
 from ..variants.mixln import mixln_post_layers
 from ..variants.spec import knob

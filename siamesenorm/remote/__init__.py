@@ -5,7 +5,7 @@
 - ``modeling_siamesenorm.py`` (this package's, as it is): the transformers config and causal LM;
 - ``olmo_lite.py`` (this package's, as it is): what ai2-olmo would supply, in torch alone;
 - the package's own files for that MODEL_TYPE: ``siamesenorm/nn/topologies.py``, ``siamesenorm/variants/spec.py``,
-  ``_block.py``, the variant's file and the variant files it imports, with nothing changed but the import lines
+  ``_base.py``, the variant's file and the variant files it imports, with nothing changed but the import lines
   (``olmo.*`` -> ``.olmo_lite``, ``..nn.topologies`` -> ``.topologies``; ``REWRITES``), so the update rules that
   run in an export are the ones that trained it: generated, not a second copy that could drift;
 - ``variant_table.py`` (generated): that MODEL_TYPE's block and knobs.

@@ -4,7 +4,7 @@ sublayers and norms), its name, display name, colour, knobs and their validation
 The registry is derived from the files: every module here whose name does not start with an underscore (and is
 not ``spec``) must define ``VARIANT``. Adding a variant is one new file (plus its tests). A variant file may also
 live outside the package, in a folder named by the ``SIAMESENORM_VARIANTS`` environment variable (several joined
-with ``os.pathsep``): it is imported as ``siamesenorm.variants.<name>`` (so ``from ._block import TopologyBlock``
+with ``os.pathsep``): it is imported as ``siamesenorm.variants.<name>`` (so ``from ._base import TopologyBlock``
 works there too) and registered like the package's own.
 """
 

@@ -37,7 +37,7 @@ import math
 import torch
 
 from ..nn.topologies import HyperConnection
-from ._block import ConnectedStreamsBlock
+from ._base import ConnectedStreamsBlock
 from .spec import Knob, Variant, knob
 
 __all__ = ["HyperConnectionBlock", "VARIANT"]

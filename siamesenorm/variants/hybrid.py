@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from ..nn.topologies import hybrid_norm_update
-from ._block import TopologyBlock
+from ._base import TopologyBlock
 from .spec import Variant, fail
 
 __all__ = ["QKVHeadNormAttention", "HybridNormBlock", "validate_qkv_head_norms", "VARIANT"]

@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 
 from ..nn.topologies import siamese_hybrid_attention, siamese_update
-from ._block import SIAMESE_KNOBS, TwoStreamBlock
+from ._base import SIAMESE_KNOBS, TwoStreamBlock
 from .hybrid import QKVHeadNormAttention, validate_qkv_head_norms
 from .spec import Variant, fail, knob
 

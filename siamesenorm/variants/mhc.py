@@ -28,7 +28,7 @@ Choices where implementations disagree (documented in docs/architecture.md):
 from __future__ import annotations
 
 from ..nn.topologies import SINKHORN_ORDERS, ManifoldHyperConnection
-from ._block import ConnectedStreamsBlock
+from ._base import ConnectedStreamsBlock
 from .spec import Knob, Variant, knob
 
 __all__ = ["ManifoldHyperConnectionBlock", "VARIANT"]

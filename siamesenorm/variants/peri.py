@@ -10,7 +10,7 @@ every update written into it has a bounded scale.
 
 from __future__ import annotations
 
-from ._block import TopologyBlock
+from ._base import TopologyBlock
 from .spec import Variant, fail
 
 __all__ = ["PeriNormBlock", "VARIANT"]

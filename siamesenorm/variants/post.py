@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Optional
 
 from ..nn.topologies import NORM_POSITIONS, post_norm_update
-from ._block import TopologyBlock
+from ._base import TopologyBlock
 from .spec import Knob, Variant, knob
 
 __all__ = ["PostNormBlock", "VARIANT"]

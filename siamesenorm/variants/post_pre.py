@@ -33,7 +33,7 @@ Pre-Norm (RMSNorm, normalized input on); with every LN^Y scale zeroed it is Post
 from __future__ import annotations
 
 from ..nn.topologies import NORM_POSITIONS, siamese_update
-from ._block import SIAMESE_KNOBS, TwoStreamBlock
+from ._base import SIAMESE_KNOBS, TwoStreamBlock
 from .spec import Knob, Variant, knob
 
 __all__ = ["SiamesePostPreBlock", "VARIANT"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from olmo.model import RMSLayerNorm
 
-from ._block import TopologyBlock
+from ._base import TopologyBlock
 from .peri import validate_own_embedding_norm
 from .spec import Variant
 

@@ -15,7 +15,7 @@ difference from SiameseNorm, whose Pre-Norm stream also feeds the sublayers (pap
 
 from __future__ import annotations
 
-from ._block import TopologyBlock, mean_weight
+from ._base import TopologyBlock, mean_weight
 from .spec import Variant
 
 __all__ = ["ResiDualBlock", "VARIANT"]
