@@ -16,7 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from siamesenorm.records import EXIT_DIVERGED, RECORD_NAME  # noqa: E402
+from siamesenorm.records import RECORD_NAME  # noqa: E402
+from siamesenorm.stability import EXIT_DIVERGED  # noqa: E402
 
 
 USAGE = "usage: python scripts/launch.py [torchrun options] CONFIG.yaml [--key=value ...]"

@@ -23,7 +23,7 @@ ORIGINAL: dict = {}
 def _trampoline(cls, layer_id, config, cache):
     from .registry import _hooked_build
 
-    return _hooked_build(cls, layer_id, config, cache)
+    return _hooked_build(ORIGINAL["build"], cls, layer_id, config, cache)
 
 
 def patch_factory(olmo_model: ModuleType) -> None:

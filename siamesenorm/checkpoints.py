@@ -10,6 +10,7 @@ import torch
 from omegaconf import OmegaConf as om
 
 from .config import LEGACY_KNOBS
+from .runconfig import load_config
 from .safeload import (  # noqa: F401 (UnsafeCheckpoint, allow_checkpoint_types: re-exported)
     UnsafeCheckpoint,
     allow_checkpoint_types,
@@ -68,8 +69,6 @@ def legacy_overrides(config_yaml: str | Path) -> List[str]:
 
 def load_saved_config(config_yaml: str | Path, overrides: Optional[List[str]] = None):
     """A run's or checkpoint's saved config.yaml as a SiameseTrainConfig, older knobs filled with their old meaning."""
-    from .runconfig import load_config
-
     return load_config(str(config_yaml), legacy_overrides(config_yaml) + list(overrides or []))
 
 

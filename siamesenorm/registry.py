@@ -16,12 +16,11 @@ from typing import Optional, Type
 from olmo.config import ModelConfig
 from olmo.model import BufferCache, OLMoBlock
 
-from . import _hook
 from .config import MODEL_TYPES, resolve_model_type, validate_model_config
 from .variants import VARIANTS
 from .variants._base import RECOMPUTE_DEFAULT, TopologyBlock, set_recompute
 
-__all__ = ["BLOCKS", "block_class", "block_for", "install_hook", "forced_model_type"]
+__all__ = ["BLOCKS", "block_class", "block_for", "forced_model_type"]
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +29,6 @@ log = logging.getLogger(__name__)
 BLOCKS: dict[str, Optional[Type[TopologyBlock]]] = {name: v.block for name, v in VARIANTS.items()}
 
 _forced: contextvars.ContextVar[Optional[str]] = contextvars.ContextVar("siamesenorm_forced_model_type", default=None)
-_olmo_build = _hook.ORIGINAL.get("build", OLMoBlock.build.__func__)  # OLMo's own factory, kept for ``pre``
 
 
 @contextlib.contextmanager
@@ -52,29 +50,21 @@ def block_class(model_type: str) -> Optional[Type[TopologyBlock]]:
 def block_for(layer_id: int, config: ModelConfig, cache: BufferCache) -> Optional[OLMoBlock]:
     """Our block for this layer, or None when OLMo's own factory should build it (``pre``)."""
     model_type, source = resolve_model_type(config, _forced.get())
-    validate_model_config(config, model_type)
-    if layer_id == 0:
+    if layer_id == 0:  # OLMo builds its blocks in order from one config: checked once, at the first
+        validate_model_config(config, model_type)
         log.debug("Building OLMo blocks with MODEL_TYPE=%s (from %s)", model_type, source)
     cls = block_class(model_type)
     return None if cls is None else cls(layer_id, config, cache)
 
 
-def _hooked_build(cls, layer_id: int, config: ModelConfig, cache: BufferCache) -> OLMoBlock:
+def _hooked_build(olmo_build, cls, layer_id: int, config: ModelConfig, cache: BufferCache) -> OLMoBlock:
+    """The block factory siamesenorm/_hook.py's trampoline calls, with OLMo's own (``olmo_build``) for ``pre``."""
     block = block_for(layer_id, config, cache)
     if block is not None:
         return block
-    block = _olmo_build(cls, layer_id, config, cache)  # pre: OLMo's own block, its norms per model.recompute_cheap
+    block = olmo_build(cls, layer_id, config, cache)  # pre: OLMo's own block, its norms per model.recompute_cheap
     set_recompute(block, bool(getattr(config, "recompute_cheap", RECOMPUTE_DEFAULT)))
     return block
 
 
 _hooked_build.siamesenorm_factory = True  # type: ignore[attr-defined]
-
-
-def install_hook() -> None:
-    """Make OLMo's block factory honour MODEL_TYPE / model.model_type (``import siamesenorm`` already did, through
-    siamesenorm/_hook.py's trampoline to ``_hooked_build``). Idempotent; a no-op on an OLMo source tree patched
-    with changes.patch, whose factory already delegates to ``block_for``."""
-    import olmo.model
-
-    _hook.patch_factory(olmo.model)

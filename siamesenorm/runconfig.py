@@ -20,7 +20,7 @@ from olmo.exceptions import OLMoConfigurationError
 from olmo.util import clean_opt
 
 from .config import SiameseModelConfig
-from .records import StabilityConfig, stability_problem
+from .stability import StabilityConfig, stability_problem
 
 __all__ = ["SiameseTrainConfig", "MoESettings", "RunError", "load_config", "expand_paths", "check_data_paths", "validate_run",
            "check_batch_split", "check_corpus_size",
@@ -55,7 +55,7 @@ class SiameseTrainConfig(TrainConfig):
     metrics_file: Optional[str] = None
     """JSON lines, one per logged step and per evaluation; default ``{save_folder}/metrics.jsonl``."""
     stability: StabilityConfig = field(default_factory=StabilityConfig)
-    """The divergence guard and the loss-spike rule (siamesenorm/records.py)."""
+    """The divergence guard and the loss-spike rule (siamesenorm/stability.py)."""
     verify_data_sha256: bool = False
     """Before step 1, also check every token file's sha256 against its manifest (slow on large corpora)."""
     resume_on_new_data: bool = False

@@ -45,7 +45,10 @@ from typing import Dict, List, Optional
 
 from omegaconf import OmegaConf as om
 
-from .records import EXIT_DIVERGED, RECORD_NAME
+from .records import RECORD_NAME
+
+
+from .stability import EXIT_DIVERGED
 
 log = logging.getLogger(__name__)
 

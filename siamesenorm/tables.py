@@ -9,7 +9,7 @@ Cell rules:
     window): "too short"; a run with no perplexity yet: "crashed" (an error stopped it), "stopped" (a signal) or
     "running";
   * columns without a value in any row are left out (PPL always stays);
-  * "*" after PPL: the run had loss spikes (records.py has the rule); "†" after PPL: the run has not finished
+  * "*" after PPL: the run had loss spikes (stability.py has the rule); "†" after PPL: the run has not finished
     (status running or stopped), its values are its latest;
   * bold: the best value of each column within a setting (lowest PPL, highest accuracy), ties all bold,
     comparing the values as printed; diverged and missing cells never count. CSV has no bold.

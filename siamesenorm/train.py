@@ -7,7 +7,7 @@
 - the save folder's lifecycle (runfolder.py): a rerun of the same command resumes, restarts a failed start, or says
   what to pass; a resume must match the checkpoint's model;
 - checkpoints load with torch's weights_only=True and an allow-list (checkpoints.py);
-- a divergence guard, a loss-spike counter, a metrics file and a run record (records.py); a record whose status
+- a divergence guard, a loss-spike counter, a metrics file and a run record (stability.py, records.py); a record whose status
   says how the run ended, signals included.
 """
 
@@ -31,7 +31,8 @@ from .checkpoints import allow_checkpoint_types
 from .console import detach_run_logs
 from .config import MODEL_TYPES, resolve_model_type, validate_model_config
 from .model import build_model, num_params_from_config
-from .records import EXIT_DIVERGED, RECORD_NAME, Diverged, StabilityMonitor, config_hash, recipe_hash, variant_knobs
+from .records import RECORD_NAME, config_hash, recipe_hash, variant_knobs
+from .stability import EXIT_DIVERGED, Diverged, StabilityMonitor
 from .runconfig import (
     RunError,
     SiameseTrainConfig,

@@ -28,7 +28,8 @@ from olmo.config import DistributedStrategy, ShardedCheckpointerType
 from olmo.train import Trainer
 
 from .console import eval_line, step_line
-from .records import Diverged, StabilityMonitor, split_eval_metrics, write_record
+from .records import split_eval_metrics, write_record
+from .stability import Diverged, StabilityMonitor
 from .runconfig import RunError, SiameseTrainConfig
 
 log = logging.getLogger(__name__)

@@ -7,11 +7,16 @@ variant's knobs). ``knob(config, name)`` reads one from any OLMo ModelConfig, fa
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 
 __all__ = ["Knob", "Variant", "knob", "fail", "UNSET"]
 
 UNSET = object()
+
+
+#: Every knob declared so far, by name (``knob`` reads defaults here; the registry, siamesenorm.variants.KNOBS, is
+#: built from the variant files and refuses a name declared twice with different values).
+DECLARED: Dict[str, "Knob"] = {}
 
 
 @dataclass(frozen=True)
@@ -37,6 +42,9 @@ class Knob:
 
     def field_type(self):
         return self.type if self.type is not None else type(self.default)
+
+    def __post_init__(self):
+        DECLARED.setdefault(self.name, self)  # siamesenorm.variants checks that no name is declared twice apart
 
     def check(self, value: Any) -> Optional[str]:
         """The one sentence that says what to change when ``value`` fails a declared check, else None."""
@@ -85,6 +93,4 @@ def knob(config: Any, name: str):
     """A variant knob of ``config``, or its default when ``config`` is a stock OLMo ModelConfig without it."""
     if hasattr(config, name):
         return getattr(config, name)
-    from . import KNOBS  # every variant file is imported by then (siamesenorm.variants imports them all)
-
-    return KNOBS[name].default
+    return DECLARED[name].default
