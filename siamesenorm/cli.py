@@ -24,13 +24,18 @@ def _config_error() -> type:
     return OLMoConfigurationError
 
 
+#: How a command picks the block (both training commands' help).
+_MODEL_TYPE_RULE = ("MODEL_TYPE picks the block: the environment variable MODEL_TYPE, else the config's "
+                    "model.model_type, else pre.")
+
+
 def train_main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description="Train an OLMo model of any MODEL_TYPE with OLMo's Trainer (launch with torchrun, or plain "
         "python for one process).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"""\
-MODEL_TYPE picks the block: the environment variable MODEL_TYPE, else the config's model.model_type, else pre.
+{_MODEL_TYPE_RULE}
 {_model_types_help()}
 
 Overrides: any config field, as --dotted.path=value after the config, e.g.
@@ -75,7 +80,7 @@ def olmo_core_train_main(argv=None) -> None:
         "TransformerTrainModule, from one of our recipes (torchrun for more processes: OLMo-core's FSDP).",
         formatter_class=argparse.RawDescriptionHelpFormatter,
         epilog=f"""\
-MODEL_TYPE picks the block: the environment variable MODEL_TYPE, else the config's model.model_type, else pre.
+{_MODEL_TYPE_RULE}
 {_model_types_help()}
 
 Overrides: as scripts/train.py (--save_folder=runs/x --max_duration=1000 --stop_at=500 ...).

@@ -22,9 +22,8 @@ from olmo.util import clean_opt
 from .config import SiameseModelConfig
 from .stability import StabilityConfig, stability_problem
 
-__all__ = ["SiameseTrainConfig", "MoESettings", "RunError", "load_config", "expand_paths", "check_data_paths", "validate_run",
-           "check_batch_split", "check_corpus_size",
-           "check_token_files", "unigram_loss"]
+__all__ = ["SiameseTrainConfig", "MoESettings", "RunError", "load_config", "expand_paths", "check_data_paths",
+           "validate_run", "check_batch_split", "check_corpus_size", "check_token_files", "unigram_loss"]
 
 
 @dataclass

@@ -7,8 +7,8 @@
 - the save folder's lifecycle (runfolder.py): a rerun of the same command resumes, restarts a failed start, or says
   what to pass; a resume must match the checkpoint's model;
 - checkpoints load with torch's weights_only=True and an allow-list (checkpoints.py);
-- a divergence guard, a loss-spike counter, a metrics file and a run record (stability.py, records.py); a record whose status
-  says how the run ended, signals included.
+- a divergence guard, a loss-spike counter (stability.py), a metrics file and a run record (records.py); a record
+  whose status says how the run ended, signals included.
 """
 
 from __future__ import annotations

@@ -108,7 +108,7 @@ class SiameseTrainer(Trainer):
         loaded = state_dict.get("stability")
         self.restored_stability = bool(self.monitor is not None and loaded is not None
                                        and self.monitor.load_state_dict(loaded))
-        if loaded is not None and not self.restored_stability:
+        if self.monitor is not None and loaded is not None and not self.restored_stability:
             log.warning("the checkpoint's divergence-guard state is malformed; the guard starts afresh")
 
     # ---- stability ----------------------------------------------------------------------------------------------

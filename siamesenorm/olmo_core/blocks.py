@@ -159,7 +159,7 @@ def _add_v_head_norm(block: CoreTopologyBlock) -> None:
     block.attention.v_norm = block.new_norm(block.attention.head_dim, elementwise_affine=affine)
 
 
-# ---- one topology per MODEL_TYPE (pre is OLMo-core's own block) --------------------------------------------------------
+# ---- one topology per MODEL_TYPE (pre is OLMo-core's own block) ---------------------------------------------
 class PostNorm(CoreTopologyBlock):
     residual_scale: float = 1.0
     position_knob: Optional[str] = "post_norm_position"

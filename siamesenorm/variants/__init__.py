@@ -50,7 +50,7 @@ def _discover() -> Dict[str, Variant]:
         variant = getattr(module, "VARIANT", None)
         if not isinstance(variant, Variant) or variant.name != info.name:
             raise ImportError(
-                f"siamesenorm/variants/{info.name}.py must define VARIANT = Variant(name={info.name!r}, ...)")
+                f"{module.__file__} must define VARIANT = Variant(name={info.name!r}, ...)")
         found.append(variant)
     for attr in ("order", "table_row"):
         placed = [getattr(v, attr) for v in found if getattr(v, attr) is not None]

@@ -3,8 +3,8 @@
 A variant's block subclasses ``TopologyBlock`` and writes ``update(x, attention)``: the update rules of
 siamesenorm.nn applied to OLMo's sublayers (``attention``, the call's ``AttentionCall``, and ``self.mlp``) and norms
 (``normed``). OLMo's call contract (six arguments in, ``(x, KV cache)`` out) is ``TopologyBlock.forward``, written
-once. A block maps one tensor to one tensor, as OLMo's model loop expects. A topology with n streams carries them concatenated on the feature axis,
-(B, T, n * d_model): block 0 widens the embedding into n streams and the last block fuses them back to
+once. A block maps one tensor to one tensor, as OLMo's model loop expects. A topology with n streams carries them
+concatenated on the feature axis, (B, T, n * d_model): block 0 widens the embedding into n streams and the last block fuses them back to
 (B, T, d_model) (``siamesenorm.nn.StackedStreams``, shared with the OLMo-core blocks), so OLMo's own final norm
 ``ln_f`` is the topology's final norm and everything that happens between blocks (KV cache, activation
 checkpointing, FSDP wrapping, block groups, ``last_logits_only``) sees one tensor and works unchanged.
