@@ -29,6 +29,12 @@ import torch.nn.functional as F
 from olmo.model import OLMo
 
 from .checkpoints import checkpoint_folder, load_model  # noqa: F401  (re-exported: analysis.load_model)
+from .data import PrepareSettings, Skips, is_validation, iter_documents, load_tokenizer
+from .figures import plot, run_events  # noqa: F401  (analysis.plot: the figure for a tool's result)
+from .model import build_model
+from .records import RECORD_NAME
+from .runconfig import expand_paths, load_config
+from .tables import format_lr, method_name
 from .variants._base import TopologyBlock
 
 __all__ = [
@@ -57,9 +63,6 @@ class NotApplicable(Exception):
 # ---- models and data ------------------------------------------------------------------------------------------------
 def fresh_model(config_path: str, model_type: str, seed: int = 0):
     """A freshly initialised model of a recipe (the initial state of the magnitudes figure)."""
-    from .model import build_model
-    from .runconfig import load_config
-
     cfg = load_config(config_path)
     cfg.model.init_device = "cpu"
     torch.manual_seed(seed)
@@ -75,8 +78,6 @@ def eval_tokens(cfg, tokens: Optional[str] = None, text: Optional[str] = None, m
     - neither: the run's first lm evaluator's token files (its validation split)."""
     seq = cfg.model.max_sequence_length
     if text is not None:
-        from .data import PrepareSettings, Skips, is_validation, iter_documents, load_tokenizer
-
         tok = load_tokenizer(cfg.tokenizer.identifier)
         ids: List[int] = []
         for doc in iter_documents(PrepareSettings(inputs=[text]), Skips()):
@@ -94,7 +95,6 @@ def eval_tokens(cfg, tokens: Optional[str] = None, text: Optional[str] = None, m
             dtype = lm[0].data.memmap_dtype
         else:
             paths, dtype = [tokens], cfg.data.memmap_dtype
-        from .runconfig import expand_paths
 
         files = expand_paths([str(p) for p in paths])
         if not files or not all(Path(f).is_file() for f in files):
@@ -333,9 +333,6 @@ def read_metrics(run: str | Path) -> List[Dict]:
 
 
 def run_label(run: str | Path) -> str:
-    from .records import RECORD_NAME
-    from .tables import format_lr, method_name
-
     folder = Path(run) if Path(run).is_dir() else Path(run).parent
     record = folder / RECORD_NAME
     if record.is_file():
@@ -347,9 +344,6 @@ def run_label(run: str | Path) -> str:
 def _curve(runs: Sequence[str | Path], key: str) -> Dict:
     """Per run: the logged steps and values of ``key``, the validation loss at each evaluation, the MODEL_TYPE (for
     its colour) and what the figure marks (the guard stopped it; its loss spikes), from metrics.jsonl and run.json."""
-    from .figures import run_events
-    from .records import RECORD_NAME
-
     curves = {}
     for run in runs:
         rows = read_metrics(run)
@@ -375,5 +369,3 @@ def grad_norm_curves(runs: Sequence[str | Path]) -> Dict:
 def loss_curves(runs: Sequence[str | Path]) -> Dict:
     return _curve(runs, "loss")
 
-
-from .figures import plot  # noqa: E402,F401  (analysis.plot: the figure for a tool's result)

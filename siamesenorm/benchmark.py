@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import gc
 import json
+import re
 import statistics
 import sys
 import time
@@ -28,6 +29,8 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from .model import build_model
+from .runconfig import load_config
+from .variants._base import set_recompute
 
 __all__ = ["BenchSettings", "model_config", "activation_bytes", "activation_breakdown", "flops_per_token", "run",
            "to_markdown", "breakdown_markdown"]
@@ -56,8 +59,6 @@ class BenchSettings:
 
 def model_config(settings: BenchSettings):
     """The recipe's model config with the benchmark's cuts applied (fewer layers, another width, the sequence)."""
-    from .runconfig import load_config
-
     cfg = load_config(settings.recipe).model
     if settings.layers is not None:
         cfg.n_layers = settings.layers
@@ -105,8 +106,6 @@ def activation_breakdown(model: torch.nn.Module, ids: torch.Tensor) -> Dict[str,
     is the block's own forward, i.e. the topology's additions, scalings and stream mixing outside any
     submodule). Values are d_model-sized fp32 vectors per token and layer, so 1.0 = one (B, T, d) tensor in every
     layer."""
-    import re
-
     params = _parameter_storages(model)
     names = {m: re.sub(r"\.\d+(?=\.|$)", ".*", n) for n, m in model.named_modules()}
     stack: List[str] = []
@@ -355,8 +354,6 @@ def recompute_cost(settings: BenchSettings) -> Dict[str, Dict[str, float]]:
     one process for ``repeats`` rounds: {model_type: {"on": x pre, "off": x pre}}, both divided by pre with
     recompute on (pre's two norms are recomputed too when on)."""
     from torch.utils.benchmark import Timer
-
-    from .variants._base import set_recompute
 
     cfg = model_config(settings)
     steps = {mt: _Variant(mt, "eager", settings, cfg) for mt in dict.fromkeys(["pre", *settings.model_types])}

@@ -7,9 +7,13 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import torch
+import yaml
+from olmo.checkpoint import TorchLegacyShardedCheckpointer
+from olmo.util import find_latest_checkpoint
 from omegaconf import OmegaConf as om
 
 from .config import LEGACY_KNOBS
+from .model import build_model
 from .runconfig import load_config
 from .safeload import (  # noqa: F401 (UnsafeCheckpoint, allow_checkpoint_types: re-exported)
     UnsafeCheckpoint,
@@ -31,8 +35,6 @@ MAX_CONFIG_BYTES = 2**20
 def check_saved_yaml(path: str | Path) -> None:
     """A checkpoint's config.yaml is data: at most MAX_CONFIG_BYTES, no YAML aliases (they can expand without bound),
     no omegaconf interpolation or resolver (``${oc.env:SECRET}`` would read this machine's environment)."""
-    import yaml
-
     path = Path(path)
     if path.stat().st_size > MAX_CONFIG_BYTES:
         raise UnsafeCheckpoint(f"refusing to read {path}: {path.stat().st_size:,d} bytes, more than a config holds")
@@ -79,8 +81,6 @@ def load_model_state(checkpoint_dir: str | Path) -> Dict[str, torch.Tensor]:
     if (folder / "model.pt").is_file():
         return load(folder / "model.pt", map_location="cpu")
     if list(folder.glob("rank*.pt")):
-        from olmo.checkpoint import TorchLegacyShardedCheckpointer
-
         cfg = load_saved_config(folder / "config.yaml")
         # OLMo unshards in one process; every rank file it opens is checked by safeload.load and read with
         # weights_only=True, its ShardedTensors keeping their saved state without a process group.
@@ -97,7 +97,6 @@ def checkpoint_folder(path: str | Path) -> Path:
     folder = Path(path)
     if (folder / "config.yaml").is_file() and ((folder / "model.pt").is_file() or list(folder.glob("rank*.pt"))):
         return folder
-    from olmo.util import find_latest_checkpoint
 
     latest = find_latest_checkpoint(folder) if folder.is_dir() else None
     if latest is None:
@@ -107,8 +106,6 @@ def checkpoint_folder(path: str | Path) -> Path:
 
 def load_model(path: str | Path):
     """(model in eval mode on CPU, its SiameseTrainConfig) from a checkpoint or run folder."""
-    from .model import build_model
-
     folder = checkpoint_folder(path)
     cfg = load_saved_config(folder / "config.yaml")
     cfg.model.init_device = "cpu"

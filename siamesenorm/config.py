@@ -10,6 +10,7 @@ variable, the config's ``model_type`` field, then ``pre``.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
 from typing import Optional
 
@@ -76,8 +77,6 @@ SiameseModelConfig.__doc__ = (
 def validate_model_config(config: ModelConfig, model_type: str) -> None:
     """Fail with one sentence that says what to change when the config cannot build ``model_type``."""
     if model_type not in VARIANTS:
-        import difflib
-
         close = difflib.get_close_matches(str(model_type).lower(), MODEL_TYPES, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}? " if close else ""
         fail(f"Unknown MODEL_TYPE {model_type!r}; {hint}valid values are: {', '.join(MODEL_TYPES)}")

@@ -32,7 +32,11 @@ from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
+from olmo.train import cross_entropy_loss
 from torch.utils._python_dispatch import TorchDispatchMode
+
+from .loss import chunked_cross_entropy_loss
+from .model import build_model
 
 __all__ = ["DEVICES", "MATMUL_EFFICIENCY", "BANDWIDTH_EFFICIENCY", "Cost", "count", "step_cost", "estimate_seconds",
            "total", "table", "to_markdown", "compiled_layer_cost", "with_compiled_blocks"]
@@ -137,8 +141,6 @@ def _fake_count(model_cfg, model_type: str, n_layers: int, microbatch: int, seq_
                 autocast: Optional[torch.dtype]) -> Dict[str, Cost]:
     """count() on a model of fake tensors: shapes and dtypes only, no memory, no arithmetic."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from .model import build_model
 
     cfg = dataclasses.replace(model_cfg, n_layers=n_layers, init_device="cpu")
     with FakeTensorMode(allow_non_fake_inputs=False):
@@ -307,8 +309,6 @@ def _compiled_middle_block(model_cfg, model_type: str, tokens: int) -> Dict[str,
     bf16 (the parameters' values do not matter: only the graphs are read)."""
     import torch._dynamo
 
-    from .model import build_model
-
     cfg = dataclasses.replace(model_cfg, n_layers=3, init_device="cpu", max_sequence_length=max(tokens, 1))
     block = build_model(cfg, model_type, init_params=False).transformer.blocks[1]
     with torch.no_grad():
@@ -364,11 +364,6 @@ def _fake_saved_bytes(model_cfg, model_type: str, n_layers: int, microbatch: int
     distinct storages, the parameters' left out, as OLMo's trainer computes the loss (the shifted logits copied)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from olmo.train import cross_entropy_loss
-
-    from .loss import chunked_cross_entropy_loss
-    from .model import build_model
-
     cfg = dataclasses.replace(model_cfg, n_layers=n_layers, init_device="cpu", recompute_cheap=recompute)
     with FakeTensorMode(allow_non_fake_inputs=False):
         model = build_model(cfg, model_type, init_params=False)
@@ -421,7 +416,6 @@ def memory_per_gpu(model_cfg, model_type: str, microbatch: int, seq_len: Optiona
     total = saved(n_layers=n)
     block = saved(n_layers=3) - saved(n_layers=2)  # one middle block
     outside = total - n * block  # embedding, loss and what the first and last blocks add
-    from .model import build_model
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     with FakeTensorMode():

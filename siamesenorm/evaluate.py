@@ -15,6 +15,7 @@ scripts/make_tables.py reads like run.json: point it at the file), ``evaluation.
 from __future__ import annotations
 
 import csv
+import difflib
 import glob
 import io
 import json
@@ -26,8 +27,16 @@ from types import SimpleNamespace
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
+from olmo.config import DataConfig, EvaluatorConfig, EvaluatorType
+from olmo.eval import build_evaluator
+from olmo.eval.downstream import label_to_task_map
+from olmo.tokenizer import Tokenizer
+from olmo.train import Trainer
 
+from .checkpoints import checkpoint_folder, load_model
+from .hf import _is_llama_export, is_export, load_for_generation
 from .records import DOWNSTREAM_LABELS, RECORD_NAME, split_eval_metrics
+from .runconfig import SiameseTrainConfig, _manifest_for, check_token_files
 
 __all__ = ["EvalSettings", "evaluate", "to_markdown", "to_csv", "known_tasks", "PAPER_TASKS"]
 
@@ -49,14 +58,10 @@ class EvalSettings:
 
 
 def known_tasks() -> List[str]:
-    from olmo.eval.downstream import label_to_task_map
-
     return sorted(label_to_task_map)
 
 
 def _check_tasks(tasks: Sequence[str]) -> None:
-    import difflib
-
     known = known_tasks()
     for task in tasks:
         if task not in known:
@@ -80,14 +85,7 @@ class _LogitsOf(torch.nn.Module):
 
 def _load(source: Path):
     """(model for OLMo's Trainer, OLMo TrainConfig for the evaluators, OLMo tokenizer, record fields)."""
-    from olmo.tokenizer import Tokenizer
-
-    from .hf import _is_llama_export, is_export
-
     if is_export(source) or _is_llama_export(source):
-        from .hf import load_for_generation
-        from .runconfig import SiameseTrainConfig
-
         hf_model, _ = load_for_generation(source)
         config = json.loads((source / "config.json").read_text())
         olmo = config.get("olmo") or {}
@@ -102,7 +100,6 @@ def _load(source: Path):
         fields = {"model_type": olmo.get("model_type") or "pre", "learning_rate": None, "status": "finished",
                   "export": str(source)}
         return model.eval(), cfg, tokenizer, fields
-    from .checkpoints import checkpoint_folder, load_model
 
     folder = checkpoint_folder(source)
     model, cfg = load_model(folder)
@@ -119,12 +116,6 @@ def evaluate(source: str | Path, settings: EvalSettings) -> Dict[str, Any]:
     """Score ``source`` (a run folder: its latest checkpoint; a checkpoint folder; an export folder). Returns an
     evaluation record: the run's record fields where there is one, ``downstream`` {task: accuracy},
     ``perplexity`` {label: perplexity}, ``val_perplexity``, and ``evaluation`` (what was scored, how)."""
-    from olmo.config import DataConfig, EvaluatorConfig, EvaluatorType
-    from olmo.eval import build_evaluator
-    from olmo.train import Trainer
-
-    from .runconfig import check_token_files
-
     _check_tasks(settings.tasks)
     for pattern in settings.tokens:
         if not glob.glob(pattern):
@@ -169,8 +160,6 @@ def evaluate(source: str | Path, settings: EvalSettings) -> Dict[str, Any]:
 def _memmap_dtype(cfg, paths: List[str]) -> str:
     """The token files' dtype: their manifest's (the folder scripts/prepare_data.py wrote), else the run's data
     config's, else uint16."""
-    from .runconfig import _manifest_for
-
     found = _manifest_for(Path(paths[0]))
     if found is not None and found[0].get("memmap_dtype"):
         return found[0]["memmap_dtype"]

@@ -31,8 +31,11 @@ from typing import Any, Dict, Optional, Union
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
+from .checkpoints import checkpoint_folder, load_model
 from .config import SiameseModelConfig
+from .data import load_tokenizer
 from .model import build_model
+from .records import variant_knobs
 from .remote import modeling_siamesenorm as remote_model
 from .remote import remote_refusal, write_remote_code
 
@@ -88,8 +91,6 @@ def is_export(path: Union[str, Path]) -> bool:
 
 def run_tokenizer(cfg) -> PreTrainedTokenizerFast:
     """The tokenizer a run trained with, as a transformers fast tokenizer (end-of-text token = OLMo's eos)."""
-    from .data import load_tokenizer
-
     tok = load_tokenizer(str(cfg.tokenizer.identifier))
     eos = tok.id_to_token(cfg.model.eos_token_id)
     pad = tok.id_to_token(cfg.model.pad_token_id)
@@ -98,8 +99,6 @@ def run_tokenizer(cfg) -> PreTrainedTokenizerFast:
 
 def from_run(path: Union[str, Path]) -> tuple[SiameseOlmoForCausalLM, PreTrainedTokenizerFast, Path]:
     """(model, tokenizer, checkpoint folder) from a run folder (its latest checkpoint) or a checkpoint folder."""
-    from .checkpoints import checkpoint_folder, load_model
-
     folder = checkpoint_folder(path)
     olmo_model, cfg = load_model(folder)
     config = SiameseOlmoConfig(olmo=cfg.model.asdict())
@@ -261,8 +260,6 @@ tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
 
 
 def _model_card(config: SiameseOlmoConfig, source: Path, no_remote: Optional[str] = None) -> str:
-    from .records import variant_knobs
-
     knobs = variant_knobs(olmo_config(config), config.variant)
     knob_lines = "\n".join(f"- `{k}`: `{v}`" for k, v in sorted(knobs.items())) or "- (none)"
     if no_remote is None:

@@ -9,7 +9,7 @@ from typing import Optional
 from olmo.config import ModelConfig
 from olmo.model import OLMo
 
-from .config import as_siamese_config, resolve_model_type, validate_model_config
+from .config import as_siamese_config, resolve_model_type
 from .registry import forced_model_type
 from .variants._base import set_recompute
 from .variants.spec import fail
@@ -25,8 +25,7 @@ def build_model(model_config: ModelConfig, model_type: Optional[str] = None, ini
     ``model_type`` None means: the MODEL_TYPE environment variable, else ``model_config.model_type``, else pre.
     The returned model's ``config.model_type`` names the type it was built with.
     """
-    resolved, source = resolve_model_type(model_config, model_type)
-    validate_model_config(model_config, resolved)
+    resolved, source = resolve_model_type(model_config, model_type)  # validated where OLMo builds its first block
     if "SIAMESENORM_RECOMPUTE" in os.environ:  # the old switch: refuse it rather than ignore it
         fail("SIAMESENORM_RECOMPUTE is gone; unset it and set model.recompute_cheap to true or false in the config "
              "(or --model.recompute_cheap=false).")
@@ -44,7 +43,6 @@ def num_params_from_config(model_config: ModelConfig, model_type: Optional[str] 
     """Total parameters of ``build_model(model_config, model_type)``: the model built on the meta device (no
     memory, no init), counted."""
     resolved, _ = resolve_model_type(model_config, model_type)
-    validate_model_config(model_config, resolved)
     config = as_siamese_config(model_config, model_type=resolved, init_device="meta")
     with forced_model_type(resolved):
         return OLMo(config, init_params=False).num_params()

@@ -23,9 +23,16 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
+import torch
+import torch.distributed as dist
 from olmo.exceptions import OLMoConfigurationError
 
-from .runconfig import RunError, SiameseTrainConfig, expand_paths
+from . import costmodel
+from .benchmark import _loss, _peak_flops, flops_per_token
+from .config import validate_model_config
+from .model import build_model
+from .runconfig import RunError, SiameseTrainConfig, check_batch_split, expand_paths
+from .train import check_data
 
 __all__ = ["Check", "preflight", "detect_gpu", "budget_tokens", "checkpoint_bytes", "largest_microbatch",
            "timed_run", "to_markdown"]
@@ -42,8 +49,6 @@ class Check:
 
 def detect_gpu() -> Optional[str]:
     """The cost model's key for the GPU here (costmodel.DEVICES), or None without CUDA or for an unknown GPU."""
-    import torch
-
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
@@ -112,11 +117,6 @@ def timed_run(cfg: SiameseTrainConfig, model_type: str, steps: int = 5, warmup: 
     """A few training steps of the recipe's model on one device at its microbatch and precision (blocks compiled
     when the recipe compiles): tokens/s, peak memory and MFU of one device, no FSDP communication, so an upper
     bound of the per-GPU throughput of the real run. Out of memory is a result, not an error."""
-    import torch
-
-    from .benchmark import _loss, _peak_flops, flops_per_token
-    from .model import build_model
-
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     micro, seq = cfg.device_train_microbatch_size, cfg.model.max_sequence_length
     model_cfg = dataclasses.replace(cfg.model, init_device=device, flash_attention=False)
@@ -164,9 +164,6 @@ def timed_run(cfg: SiameseTrainConfig, model_type: str, steps: int = 5, warmup: 
 
 def _data_checks(cfg: SiameseTrainConfig, world: int, max_steps: Optional[int], corpus: Optional[int],
                  budget: Optional[int]) -> List[Check]:
-    from .runconfig import check_batch_split
-    from .train import check_data
-
     checks = []
     try:
         check_batch_split(cfg, world)
@@ -226,9 +223,6 @@ def _disk_check(cfg: SiameseTrainConfig, n_params: int, max_steps: Optional[int]
 
 
 def _environment_checks(cfg: SiameseTrainConfig, gpu: Optional[str], world: int, nodes: int) -> List[Check]:
-    import torch
-    import torch.distributed as dist
-
     checks = []
     if not torch.cuda.is_available():
         checks.append(Check("CUDA", "skip", f"no CUDA on this machine: GPU type, bf16, NCCL and the timed run are "
@@ -272,9 +266,6 @@ def preflight(cfg: SiameseTrainConfig, model_type: str, nodes: int = 1, gpus_per
               gpu: Optional[str] = None, timed_steps: int = 0) -> tuple[List[Check], Dict]:
     """(checks, estimates) for ``cfg`` launched on ``nodes`` x ``gpus_per_node`` GPUs of type ``gpu``
     (costmodel.DEVICES; None: every type). ``timed_steps`` > 0 adds a timed run on this machine's device."""
-    from . import costmodel
-    from .config import validate_model_config
-
     world = nodes * gpus_per_node
     checks: List[Check] = []
     try:

@@ -6,9 +6,11 @@ and ``--dry-run`` call, so a dry run refuses exactly what a real start would.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import json
 import math
+import tempfile
 from dataclasses import dataclass, field
 from glob import glob
 from pathlib import Path
@@ -80,8 +82,6 @@ def _one_line(err: Exception) -> str:
 def load_config(path: str, overrides: Optional[List[str]] = None) -> SiameseTrainConfig:
     """Load a YAML recipe with ``--key=value`` overrides, as OLMo's CLI accepts them."""
     if not Path(path).exists() or Path(path).is_dir():
-        import difflib
-
         recipes = sorted(str(p) for p in Path(path).parent.glob("*.y*ml")) or \
             sorted(str(p) for p in Path("configs").glob("*.yaml"))
         by_name = {Path(r).name: r for r in recipes}
@@ -89,7 +89,6 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> SiameseTrai
         hint = f"did you mean {by_name[close[0]]}? " if close else ""
         raise RunError(f"config file {path} not found; {hint}pick one from configs/ (docs/training.md lists them).")
     if not Path(path).is_file():  # a pipe (process substitution, /dev/stdin): read once into a file OLMo can load
-        import tempfile
 
         text = Path(path).read_text()
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:

@@ -29,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -38,13 +39,14 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf as om
 from olmo.util import find_latest_checkpoint
+from omegaconf import OmegaConf as om
 
+from .checkpoints import check_saved_yaml, load_saved_config
 from .config import SiameseModelConfig, resolve_model_type
 from .console import attach_run_log
 from .records import RECORD_NAME
-from .runconfig import RunError, SiameseTrainConfig
+from .runconfig import RunError, SiameseTrainConfig, manifest_entry
 
 log = logging.getLogger(__name__)
 
@@ -156,8 +158,6 @@ def _read_json(path: Path) -> dict:
 
 
 def checkpoint_model_type(load_path: str) -> Optional[str]:
-    from .checkpoints import check_saved_yaml
-
     cfg_path = Path(load_path) / "config.yaml"
     if not cfg_path.is_file():
         return None
@@ -202,8 +202,6 @@ def check_resume_model(cfg: SiameseTrainConfig, load_path: str) -> None:
     """Refuse, before any step, to resume a checkpoint whose model differs from this run's in any field that
     defines it (sizes, norms, the variant knobs); MODEL_TYPE is settled by resolve_run_model_type. A checkpoint
     written before a knob existed is compared with the knob's old meaning (config.LEGACY_KNOBS)."""
-    from .checkpoints import load_saved_config
-
     saved_yaml = Path(load_path) / "config.yaml"
     if not saved_yaml.is_file():
         return
@@ -286,10 +284,6 @@ def settle_run_folder(cfg: SiameseTrainConfig, action: str, load_path: Optional[
 def data_fingerprint(cfg: SiameseTrainConfig) -> list:
     """What identifies the training token files: each one's path, size and sha256 (its manifest's when it has one,
     else of its first and last MiB: cheap on any corpus, and any re-preparation changes it)."""
-    import hashlib
-
-    from .runconfig import manifest_entry
-
     out = []
     for name in [str(p) for p in cfg.data.paths or []]:
         if "://" in name:

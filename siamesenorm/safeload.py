@@ -30,9 +30,11 @@ import math
 import pickle
 import zipfile
 from collections import OrderedDict
-from pathlib import Path
+from pathlib import Path, PosixPath
 from typing import Any, BinaryIO, Callable, Dict, Optional
 
+import numpy as np
+import olmo.checkpoint as olmo_checkpoint
 import torch
 
 __all__ = ["UnsafeCheckpoint", "check_torch_file", "load", "allow_checkpoint_types", "sharded_limit",
@@ -108,8 +110,6 @@ class _Tensor:
 
 class _NumpyDType(_Stub):
     def __new__(cls, name=None, *args):
-        import numpy as np
-
         if not isinstance(name, str) or name not in _NUMPY_DTYPES:
             raise _Refused(f"a numpy array of dtype {name!r} (only plain numbers are allowed)")
         obj = super().__new__(cls)
@@ -468,13 +468,9 @@ def _checkpoint_getattr(obj, name: str):
 def allow_checkpoint_types() -> None:
     """Let torch.load with weights_only=True (torch's default) read what OLMo's trainer writes, and nothing more:
     the trainer state's paths and numpy RNG state, and FSDP's sharded tensors. Idempotent."""
-    import pathlib
-
-    import numpy as np
-
     torch.serialization.add_safe_globals(
         [
-            pathlib.PosixPath,
+            PosixPath,
             np.core.multiarray._reconstruct,
             np.ndarray,
             np.dtype,
@@ -557,8 +553,6 @@ def sharded_tensors_in_one_process():
 def checked_loads():
     """While OLMo restores or unshards a checkpoint: its ``torch.load`` calls go through ``load`` and its safetensors
     reads through ``load_olmo_safetensors``."""
-    import olmo.checkpoint as olmo_checkpoint
-
     with _swapped((torch, "load", load), (olmo_checkpoint, "safetensors_file_to_state_dict", load_olmo_safetensors)):
         yield
 

@@ -14,6 +14,22 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from .figures import (
+    LEGEND_PT,
+    SPARSE,
+    colour,
+    integer_ticks,
+    linestyle,
+    mark_events,
+    marks_caption,
+    method_label,
+    moving_average,
+    pyplot,
+    readable_log,
+    run_events,
+    save,
+    stream_label,
+)
 from .records import RECORD_NAME
 from .tables import METHOD_NAMES, build_table, format_lr, method_name, to_markdown
 
@@ -105,9 +121,6 @@ def report(results: str | Path) -> Dict:
 def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int = 20) -> List[Path]:
     """Training loss, validation loss and gradient norms per learning rate (figures 2b/4 and 5), hidden-state
     magnitudes at the middle rate (figure 2a) and stream ratios (figure 6); conventions: siamesenorm/figures.py."""
-    from .figures import (LEGEND_PT, SPARSE, colour, integer_ticks, linestyle, mark_events, marks_caption, method_label,
-                          moving_average, pyplot, readable_log, run_events, save, stream_label)
-
     plt = pyplot()
     cells = load_cells(results)
     out = Path(out)

@@ -14,6 +14,7 @@ from typing import Dict, List, Optional
 
 import yaml
 
+from .figures import LEGEND_PT, colour, integer_ticks, method_label, pyplot, readable_log, save, stream_label
 from .study import load_cells
 from .tables import METHOD_NAMES, format_lr
 
@@ -123,8 +124,6 @@ def report(results: str | Path, earlier: Optional[str | Path] = None, base_depth
 def figures(summary: Dict, out: str | Path, fmt: str = "png") -> List[Path]:
     """PPL against depth (mean and each seed), fusion weights and lens agreement over training, massive activations
     (largest |h| / median |h|) per layer; conventions: siamesenorm/figures.py."""
-    from .figures import LEGEND_PT, colour, integer_ticks, method_label, pyplot, readable_log, save, stream_label
-
     plt = pyplot()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
+import gzip
 import logging
 import math
 import os
@@ -25,14 +25,20 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 import numpy as np
+import torch
+import torch.distributed as dist
+from olmo.config import CheckpointType
+from olmo.data import build_train_dataloader
+from olmo.eval import build_evaluators
+from olmo.optim import BoltOnWarmupScheduler, build_scheduler
+from olmo.torch_util import barrier, get_global_rank, get_local_rank, get_world_size, seed_all
 from omegaconf import OmegaConf as om
 
 from .checkpoints import allow_checkpoint_types
-from .console import detach_run_logs
 from .config import MODEL_TYPES, resolve_model_type, validate_model_config
+from .console import detach_run_logs
 from .model import build_model, num_params_from_config
 from .records import RECORD_NAME, config_hash, recipe_hash, variant_knobs
-from .stability import EXIT_DIVERGED, Diverged, StabilityMonitor
 from .runconfig import (
     RunError,
     SiameseTrainConfig,
@@ -56,6 +62,7 @@ from .runfolder import (
     truncate_metrics,
 )
 from .safeload import UnsafeCheckpoint, checked_loads
+from .stability import EXIT_DIVERGED, Diverged, StabilityMonitor
 from .trainer import (
     NoSpace,
     SiameseTrainer,
@@ -166,8 +173,6 @@ GPU_RECIPE_PARAMETERS = 100_000_000
 
 def warn_gpu_recipe_on_cpu(cfg: SiameseTrainConfig, config_path: str) -> None:
     """One warning line before minutes of silent model building: a GPU-sized recipe on a machine without CUDA."""
-    import torch
-
     if torch.cuda.is_available():
         return
     model_type = resolve_model_type(cfg.model)[0]
@@ -184,8 +189,6 @@ _GROUP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RAN
 
 
 def _end_own_group(previous: Dict[str, Optional[str]]) -> None:
-    import torch.distributed as dist
-
     if dist.is_initialized():
         dist.destroy_process_group()
     for key, value in previous.items():
@@ -200,8 +203,6 @@ def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: st
     """Set up the process group, the run folder, wandb, data, model and optimizer; then ``run``."""
     device = init_distributed()
     allow_checkpoint_types()  # torch.load keeps weights_only=True; OLMo's trainer state needs these types
-    from olmo.optim import BoltOnWarmupScheduler, build_scheduler
-    from olmo.torch_util import barrier, get_global_rank, get_local_rank, get_world_size, seed_all
 
     check_batch_split(cfg, get_world_size())
     if device.type == "cpu":
@@ -266,8 +267,6 @@ def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: st
 
 def init_wandb(cfg: SiameseTrainConfig, model_type: str) -> None:
     """wandb in the run folder (offline unless WANDB_MODE says otherwise), on the ranks the config names."""
-    from olmo.torch_util import get_global_rank
-
     if cfg.wandb is None or (get_global_rank() != 0 and cfg.wandb.rank_zero_only):
         return
     import wandb
@@ -286,10 +285,6 @@ def init_wandb(cfg: SiameseTrainConfig, model_type: str) -> None:
 
 def build_data(cfg: SiameseTrainConfig, device, resuming: bool):
     """(OLMo's train loader, its evaluators, the data-indices file or None), as OLMo's train script builds them."""
-    from olmo.data import build_train_dataloader
-    from olmo.eval import build_evaluators
-    from olmo.torch_util import get_global_rank
-
     overwrite = cfg.save_overwrite
     cfg.save_overwrite = True  # the folder is settled; OLMo refuses an existing train_data/ folder otherwise
     train_loader = build_train_dataloader(cfg)
@@ -298,7 +293,6 @@ def build_data(cfg: SiameseTrainConfig, device, resuming: bool):
     evaluators = build_evaluators(cfg, device) if cfg.evaluators else []
     indices_file = None
     if cfg.save_data_indices:  # as OLMo's train script: the data indices each rank trains on
-        import gzip
 
         indices_path = Path(cfg.save_folder) / "data-indices" / f"rank{get_global_rank()}.tsv.gz"
         indices_path.parent.mkdir(parents=True, exist_ok=True)
@@ -309,9 +303,6 @@ def build_data(cfg: SiameseTrainConfig, device, resuming: bool):
 def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, model_type: str, source: str,
         load_path: Optional[str], action: str, bolt_on) -> int:
     """Restore, set up the guard and the record, train; the record says how it ended."""
-    from olmo.config import CheckpointType
-    from olmo.torch_util import get_global_rank
-
     folder = Path(cfg.save_folder)
     previous = read_record(folder)
     if load_path is None and not cfg.no_pre_train_checkpoint:
@@ -423,8 +414,6 @@ def warmup_steps(cfg: SiameseTrainConfig) -> int:
 def record_info(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: str, n_params: int,
                 monitor: StabilityMonitor) -> Dict:
     """What a run record says about the run itself (siamesenorm/records.py adds its progress and results)."""
-    from olmo.torch_util import get_world_size
-
     return {
         "run_name": cfg.run_name,
         "config": str(config_path),

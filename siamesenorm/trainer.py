@@ -8,6 +8,7 @@ with the pinned wandb.
 from __future__ import annotations
 
 import errno
+import functools
 import json
 import logging
 import math
@@ -24,13 +25,21 @@ from typing import Any, Dict, List, Optional
 import numpy as np
 import torch
 import torch.distributed as dist
-from olmo.config import DistributedStrategy, ShardedCheckpointerType
+import torch.nn as nn
+from olmo import optim as olmo_optim
+from olmo.config import DistributedStrategy, OptimizerType, ShardedCheckpointerType
+from olmo.model import LayerNormBase, OLMoBlock
+from olmo.optim import AdamW, LionW
+from olmo.torch_util import get_global_rank
 from olmo.train import Trainer
+from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from .console import eval_line, step_line
+from .loss import chunked_cross_entropy_loss
 from .records import split_eval_metrics, write_record
-from .stability import Diverged, StabilityMonitor
 from .runconfig import RunError, SiameseTrainConfig
+from .stability import Diverged, StabilityMonitor
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +75,6 @@ class SiameseTrainer(Trainer):
         super().__post_init__()
         chunk = getattr(self.cfg, "loss_chunk_tokens", None)
         if chunk:
-            import functools
-
-            from .loss import chunked_cross_entropy_loss
-
             self.loss_fn = functools.partial(chunked_cross_entropy_loss, chunk_tokens=int(chunk))
 
     # ---- checkpoints ---------------------------------------------------------------------------------------------
@@ -174,8 +179,6 @@ class SiameseTrainer(Trainer):
         return record
 
     def save_record(self, status: str, **extra: Any) -> None:
-        from olmo.torch_util import get_global_rank
-
         if self.record_info is not None and get_global_rank() == 0:
             write_record(self.cfg.save_folder, self.run_record(status, **extra))
 
@@ -184,8 +187,6 @@ class SiameseTrainer(Trainer):
         return Path(self.cfg.metrics_file or Path(self.cfg.save_folder) / "metrics.jsonl")
 
     def write_metrics(self, record: Dict[str, Any]) -> None:
-        from olmo.torch_util import get_global_rank
-
         if get_global_rank() != 0:
             return
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -256,8 +257,6 @@ class SiameseTrainer(Trainer):
 def compile_blocks(model: torch.nn.Module, options: Dict[str, Any]) -> int:
     """``torch.compile`` each transformer block in place with the config's ``compile:`` options (mode, fullgraph,
     backend, dynamic), as OLMo compiles per block; embedding, final norm and loss stay eager. Returns the count."""
-    from olmo.model import OLMoBlock
-
     blocks = [m for m in model.modules() if isinstance(m, OLMoBlock)]
     for block in blocks:
         block.compile(**{k: v for k, v in options.items() if v is not None})
@@ -315,10 +314,6 @@ def optimizer_param_groups(cfg: SiameseTrainConfig, model: torch.nn.Module) -> L
     weight-decay group when its module lists it in ``weight_decay_params`` (hc's dynamic projections, HC paper
     section 4), otherwise to the no-decay group: mixing weights initialised away from zero, treated like norm
     scales."""
-    import torch.nn as nn
-    from olmo import optim as olmo_optim
-    from olmo.model import LayerNormBase
-
     known = (nn.Linear, nn.Embedding, nn.LayerNorm, LayerNormBase)
     coefficients, decayed = {}, set()
     for mn, m in model.named_modules():
@@ -353,9 +348,6 @@ def optimizer_param_groups(cfg: SiameseTrainConfig, model: torch.nn.Module) -> L
 
 def build_optimizer_with_coefficients(cfg: SiameseTrainConfig, model: torch.nn.Module):
     """The optimizer OLMo's ``build_optimizer`` makes, over ``optimizer_param_groups``."""
-    from olmo.config import OptimizerType
-    from olmo.optim import AdamW, LionW
-
     o = cfg.optimizer
     common = dict(lr=o.learning_rate, betas=o.betas, weight_decay=o.weight_decay,
                   record_update_metrics=o.record_update_metrics, selective_updates=o.selective_updates)
@@ -369,13 +361,9 @@ def build_optimizer_with_coefficients(cfg: SiameseTrainConfig, model: torch.nn.M
 
 def wrap_model(cfg: SiameseTrainConfig, olmo_model, device: torch.device, local_rank: int):
     if cfg.distributed_strategy == DistributedStrategy.ddp:
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
         find_unused = bool(cfg.ddp and cfg.ddp.find_unused_params)
         return DDP(olmo_model, find_unused_parameters=find_unused)
     if cfg.distributed_strategy == DistributedStrategy.fsdp:
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-
         return FSDP(
             olmo_model,
             sharding_strategy=cfg.fsdp.sharding_strategy,

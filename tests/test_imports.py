@@ -2,6 +2,8 @@
 still a cycle: it decides what may be imported first)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "siamesenorm"
@@ -77,3 +79,68 @@ def test_no_import_cycle_in_the_package():
     graph = {name: _edges(name, path, modules) for name, path in modules.items()}
     assert len(graph) > 40 and graph["siamesenorm.train"]  # the scan sees the package and its imports
     assert _cycles(graph) == []
+
+
+# Where an import may sit inside a function instead of at the module's top (docs/architecture.md, "Imports").
+# 1. The light modules: what `--help`, the console, the sweep's parent process, the Slurm writer, the GPU check's
+#    environment report and OLMo's hook import. They must not load torch or ai2-olmo (measured: 0.03-0.15 s to import
+#    each against 5-15 s for siamesenorm.train or siamesenorm.olmo_core.train), so their heavy imports wait in the
+#    function that needs them.
+LIGHT = {"siamesenorm", "siamesenorm._hook", "siamesenorm.catalog", "siamesenorm.cli", "siamesenorm.console",
+         "siamesenorm.data", "siamesenorm.gpucheck", "siamesenorm.olmo_core", "siamesenorm.olmo_patch",
+         "siamesenorm.records", "siamesenorm.slurm", "siamesenorm.stability", "siamesenorm.sweep"}
+# 2. Third-party modules one feature needs (export, figures, online logging, data preparation, the second framework)
+#    and torch's private or version-dependent internals (imported where used, so a torch without them fails that
+#    feature with its own message, not every import of the package).
+DEFERRED = ("transformers", "matplotlib", "wandb", "datasets", "pyarrow", "tokenizers", "safetensors", "olmo_core",
+            "olmo_data", "torch._inductor", "torch._dynamo", "torch._functorch", "torch._subclasses",
+            "torch.distributed._shard", "torch.distributed.remote_device", "torch.utils.benchmark",
+            "torch.utils.flop_counter", "ctypes")
+# 3. An export's modelling code (siamesenorm/remote/) imports files written next to it at export time.
+GENERATED = {"siamesenorm.remote.modeling_siamesenorm": {".olmo_lite", ".variant_table"}}
+
+
+def _function_imports(path):
+    """(line, imported module as written) for every import inside a function of ``path``."""
+    out = set()
+    for fn in ast.walk(ast.parse(path.read_text())):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    out.update((node.lineno, a.name) for a in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    out.add((node.lineno, "." * node.level + (node.module or "")))
+    return out
+
+
+def _misplaced(modules):
+    found = []
+    for name, path in sorted(modules.items()):
+        if name in LIGHT:
+            continue
+        for line, target in sorted(_function_imports(path)):
+            deferred = any(target == d or target.startswith(d + ".") for d in DEFERRED)
+            if not deferred and target not in GENERATED.get(name, ()):
+                found.append(f"{name}:{line} imports {target} inside a function")
+    return found
+
+
+def test_imports_sit_at_the_top_unless_there_is_a_reason():
+    modules = _modules()
+    assert LIGHT <= modules.keys() and set(GENERATED) <= modules.keys()
+    assert _misplaced(modules) == []
+
+
+def test_the_placement_check_finds_a_misplaced_import(tmp_path):
+    (tmp_path / "heavy.py").write_text("def f():\n    import json\n    from .config import X\n"
+                                       "    import matplotlib.pyplot\n    import transformers\n")
+    assert _misplaced({"siamesenorm.heavy": tmp_path / "heavy.py"}) == [
+        "siamesenorm.heavy:2 imports json inside a function", "siamesenorm.heavy:3 imports .config inside a function"]
+
+
+def test_the_light_modules_load_neither_torch_nor_olmo():
+    code = ("import importlib, sys\nfor m in sys.argv[1:]:\n    importlib.import_module(m)\n"
+            "print(sorted(n for n in ('torch', 'olmo', 'olmo_core', 'transformers', 'matplotlib') if n in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code, *sorted(LIGHT)], capture_output=True, text=True,
+                         cwd=PACKAGE.parent, check=True).stdout.strip()
+    assert out == "[]"

@@ -22,6 +22,8 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ..config import resolve_model_type, validate_model_config
+from ..variants import VARIANTS
 from . import moe_kernels
 from .blocks import QKV_HEAD_NORM_TYPES, core_block_class  # checks the OLMo-core release first
 
@@ -52,8 +54,6 @@ class SiameseBlockConfig(TransformerBlockConfig):
     knobs: Dict[str, Any] = field(default_factory=dict)
 
     def build(self, *, d_model: int, block_idx: int, n_layers: int, init_device: str = "cpu", cache=None):
-        from ..config import resolve_model_type
-
         model_type, _ = resolve_model_type(self)  # reads self.model_type as it reads model.model_type
         if self.feed_forward_moe is not None:
             moe_kernels.install()  # PyTorch permutation kernels where OLMo-core has no Triton (CPU)
@@ -151,9 +151,6 @@ def transformer_config(model_config, model_type: Optional[str] = None, moe=None)
     """OLMo-core's ``TransformerConfig`` for one of our model configs (``SiameseModelConfig`` or OLMo's own);
     ``model_type`` as in ``siamesenorm.build_model`` (argument > ``MODEL_TYPE`` > ``model.model_type`` > pre).
     ``moe`` (a recipe's ``moe:``): an MoE transformer, each block's feed-forward OLMo-core's MoE."""
-    from ..config import validate_model_config, resolve_model_type
-    from ..variants import VARIANTS
-
     _refuse_unsupported(model_config)
     name, _ = resolve_model_type(model_config, model_type)
     validate_model_config(model_config, name)  # the checks of the ai2-olmo path, with its one-line messages

@@ -9,6 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
+from olmo.exceptions import OLMoConfigurationError
+
 __all__ = ["Knob", "Variant", "knob", "fail", "UNSET"]
 
 UNSET = object()
@@ -84,8 +86,6 @@ class Variant:
 
 
 def fail(msg: str) -> None:
-    from olmo.exceptions import OLMoConfigurationError
-
     raise OLMoConfigurationError(msg)
 
 
