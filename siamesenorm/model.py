@@ -25,14 +25,14 @@ def build_model(model_config: ModelConfig, model_type: Optional[str] = None, ini
     ``model_type`` None means: the MODEL_TYPE environment variable, else ``model_config.model_type``, else pre.
     The returned model's ``config.model_type`` names the type it was built with.
     """
-    resolved, source = resolve_model_type(model_config, model_type)  # validated where OLMo builds its first block
+    resolved, source = resolve_model_type(model_config, model_type)
     if "SIAMESENORM_RECOMPUTE" in os.environ:  # the old switch: refuse it rather than ignore it
         fail("SIAMESENORM_RECOMPUTE is gone; unset it and set model.recompute_cheap to true or false in the config "
              "(or --model.recompute_cheap=false).")
+    config = as_siamese_config(model_config, model_type=resolved)  # validates (the config's __post_init__)
     if getattr(model_config, "model_type", None) not in (None, resolved):
         log.warning("MODEL_TYPE=%s (from %s) overrides model.model_type=%s", resolved, source, model_config.model_type)
     log.debug("MODEL_TYPE=%s (from %s)", resolved, source)
-    config = as_siamese_config(model_config, model_type=resolved)
     with forced_model_type(resolved):
         model = OLMo(config, init_params=init_params)
     set_recompute(model, config.recompute_cheap)  # pre's norms (OLMo's block); the variants' blocks read the field
