@@ -89,7 +89,6 @@ def load_config(path: str, overrides: Optional[List[str]] = None) -> SiameseTrai
         hint = f"did you mean {by_name[close[0]]}? " if close else ""
         raise RunError(f"config file {path} not found; {hint}pick one from configs/ (docs/training.md lists them).")
     if not Path(path).is_file():  # a pipe (process substitution, /dev/stdin): read once into a file OLMo can load
-
         text = Path(path).read_text()
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
             f.write(text)

@@ -293,7 +293,6 @@ def build_data(cfg: SiameseTrainConfig, device, resuming: bool):
     evaluators = build_evaluators(cfg, device) if cfg.evaluators else []
     indices_file = None
     if cfg.save_data_indices:  # as OLMo's train script: the data indices each rank trains on
-
         indices_path = Path(cfg.save_folder) / "data-indices" / f"rank{get_global_rank()}.tsv.gz"
         indices_path.parent.mkdir(parents=True, exist_ok=True)
         indices_file = gzip.open(indices_path, "at" if resuming else "wt")
