@@ -55,6 +55,10 @@ def main(argv=None) -> int:
     parser.add_argument("--recompute", choices=["on", "off"], default=None,
                         help="model.recompute_cheap on or off for the timing, --breakdown and --cost-model "
                         "(default: the recipe's)")
+    parser.add_argument("--fused", choices=["on", "off"], default=None,
+                        help="model.fused_streams on or off (pre, hybrid_pre and post_pre: each residual add and the "
+                        "norms after it as one op each way, siamesenorm/nn/fused.py) for the timing, --breakdown and "
+                        "--cost-model (default: the recipe's)")
     parser.add_argument("--gpus", type=int, default=8, help="--memory-model: GPUs the state is sharded over (8)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None,
                         help="--memory-model: with the chunked loss (the config's loss_chunk_tokens)")
@@ -73,10 +77,12 @@ def main(argv=None) -> int:
         from siamesenorm.runconfig import load_config
 
         cfg = load_config(args.recipe)
+        if args.fused is not None:
+            cfg.model.fused_streams = args.fused == "on"
         result = costmodel.memory_table(cfg.model, types, args.batch or cfg.device_train_microbatch_size, args.seq,
                                         args.gpus, args.loss_chunk_tokens)
         print(f"{args.recipe}: microbatch {result['microbatch']} x {result['seq_len']}, FSDP full shard over "
-              f"{args.gpus} GPUs, bf16, AdamW, loss {'chunked ' + str(args.loss_chunk_tokens) if args.loss_chunk_tokens else 'OLMo'}"
+              f"{args.gpus} GPUs, bf16, AdamW, fused streams {'on' if cfg.model.fused_streams else 'off'}, loss {'chunked ' + str(args.loss_chunk_tokens) if args.loss_chunk_tokens else 'OLMo'}"
               f"; fits = peak <= {1 - costmodel.MEMORY_HEADROOM:.0%} of the GPU's memory")
         print(costmodel.memory_markdown(result))
         if args.json:
@@ -95,7 +101,8 @@ def main(argv=None) -> int:
         cfg = load_config(args.recipe)
         model_cfg = dataclasses.replace(cfg.model, **{k: v for k, v in (
             ("n_layers", args.layers), ("d_model", args.d_model),
-            ("recompute_cheap", None if args.recompute is None else args.recompute == "on")) if v is not None})
+            ("recompute_cheap", None if args.recompute is None else args.recompute == "on"),
+            ("fused_streams", None if args.fused is None else args.fused == "on")) if v is not None})
         compiled = "compiled" in args.modes
         result = costmodel.table(model_cfg, types, args.batch or cfg.device_train_microbatch_size, args.seq,
                                  compiled=compiled,
@@ -103,7 +110,8 @@ def main(argv=None) -> int:
         for mode in result["modes"]:
             print(f"\n{args.recipe}: {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, microbatch "
                   f"{result['microbatch']} x {result['seq_len']}, bf16 autocast, {mode}, recompute "
-                  f"{'on' if model_cfg.recompute_cheap else 'off'}, forward + backward; time: "
+                  f"{'on' if model_cfg.recompute_cheap else 'off'}, fused streams "
+                  f"{'on' if model_cfg.fused_streams else 'off'}, forward + backward; time: "
                   f"matmul at {costmodel.MATMUL_EFFICIENCY:.0%} of peak + bytes at "
                   f"{costmodel.BANDWIDTH_EFFICIENCY:.0%} of HBM bandwidth")
             print(costmodel.to_markdown(result, mode))
@@ -120,7 +128,8 @@ def main(argv=None) -> int:
                              batch=args.batch, seq=args.seq, repeats=args.repeats,
                              steps_per_timing=args.steps_per_timing, modes=args.modes,
                              group_size=args.group_size,
-                             recompute=None if args.recompute is None else args.recompute == "on")
+                             recompute=None if args.recompute is None else args.recompute == "on",
+                             fused=None if args.fused is None else args.fused == "on")
     if args.recompute_cost:
         for mt, r in recompute_cost(settings).items():
             print(f"{mt:15s} recompute on {r['on']:.3f}  off {r['off']:.3f}  (step time / pre's, recompute on)")

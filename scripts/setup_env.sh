@@ -8,8 +8,9 @@ if [ "${BASH_SOURCE[0]}" = "$0" ] && [ $# -gt 0 ]; then  # run, not sourced: onl
       echo "usage: bash scripts/setup_env.sh"
       echo "Creates .venv (or \$VENV) with \$PYTHON (default python3) and installs this project with its pinned"
       echo "dependencies (pyproject.toml), again only when pyproject.toml changes; OLMo-core 3 for the OLMo-core path"
-      echo "comes in a second step (pyproject.toml, [tool.siamesenorm], says why). scripts/quickstart.sh and"
-      echo "scripts/test.sh source it; 'source scripts/setup_env.sh' also puts the environment on PATH."
+      echo "and Triton for the kernel tests (in \$VENV/triton-interpreter) come in steps of their own"
+      echo "(pyproject.toml, [tool.siamesenorm], says why). scripts/quickstart.sh and scripts/test.sh source it;"
+      echo "'source scripts/setup_env.sh' also puts the environment on PATH."
       exit 0 ;;
     *) echo "setup_env.sh: unknown argument '$1'; it takes none (see --help)" >&2; exit 2 ;;
   esac
@@ -33,6 +34,12 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[setup] $CORE_PIN for the OLMo-core path (without dependencies: it replaces ai2-olmo's pin of 0.1.0)"
   "$VENV/bin/python" -m pip install --progress-bar off --no-deps "$CORE_PIN" 2>&1 \
     | grep --line-buffered -E "^(Successfully installed|ERROR: (Could|No matching))" | sed -u 's/^/[setup] /' || true
+  TRITON_PIN="$("$VENV/bin/python" -c "import sys, tomllib; print(tomllib.load(open(sys.argv[1], 'rb'))['tool']['siamesenorm']['triton-interpreter'])" "$ROOT/pyproject.toml")"
+  echo "[setup] $TRITON_PIN into $VENV/triton-interpreter, for the tests of the fused kernels in Triton's interpreter"
+  rm -rf "$VENV/triton-interpreter"
+  "$VENV/bin/python" -m pip install --progress-bar off --no-deps --target "$VENV/triton-interpreter" "$TRITON_PIN" 2>&1 \
+    | grep --line-buffered -E "^(Successfully installed|ERROR: (Could|No matching))" | sed -u 's/^/[setup] /' || true
+  test -d "$VENV/triton-interpreter/triton" || { echo "[setup] $TRITON_PIN did not install; see pip's messages above" >&2; exit 1; }
   "$VENV/bin/python" -c "import siamesenorm, olmo, transformers, siamesenorm.olmo_core.config" \
     || { echo "[setup] the install failed; see pip's messages above" >&2; exit 1; }
   echo "$WANT" > "$STAMP"

@@ -55,6 +55,7 @@ class BenchSettings:
     device: str = "cuda" if torch.cuda.is_available() else "cpu"
     seed: int = 0
     recompute: Optional[bool] = None  # model.recompute_cheap; None: the recipe's
+    fused: Optional[bool] = None  # model.fused_streams; None: the recipe's
 
 
 def model_config(settings: BenchSettings):
@@ -69,6 +70,8 @@ def model_config(settings: BenchSettings):
         cfg.eos_token_id, cfg.pad_token_id = 0, min(cfg.pad_token_id, settings.vocab - 1)
     if settings.recompute is not None:
         cfg.recompute_cheap = settings.recompute
+    if settings.fused is not None:
+        cfg.fused_streams = settings.fused
     cfg.max_sequence_length = max(cfg.max_sequence_length, settings.seq)
     cfg.init_device = settings.device
     cfg.flash_attention = False

@@ -58,12 +58,16 @@ def _knob_field(k):
 
 
 _MODEL_TYPE_DOC = "One of MODEL_TYPES. The MODEL_TYPE environment variable overrides it; None means pre."
+_FUSED_DOC = ("Each residual add and the norms after it as one op each way (siamesenorm/nn/fused.py: a Triton "
+              "kernel on CUDA, the same arithmetic in torch elsewhere): hybrid_pre, post_pre (LN^X before the "
+              "sublayer) and, for a fair comparison, pre; needs RMS norms without bias; other variants ignore it.")
 _RECOMPUTE_DOC = ("Recompute every block's norms (pre's too) and hc/mhc's stream mixing in backward instead of saving "
                   "their intermediates: less activation memory, the norms run twice (exact either way).")
 SiameseModelConfig = dataclasses.make_dataclass(
     "SiameseModelConfig",
     [("model_type", Optional[str], dataclasses.field(default=None, metadata={"doc": _MODEL_TYPE_DOC})),
-     ("recompute_cheap", bool, dataclasses.field(default=RECOMPUTE_DEFAULT, metadata={"doc": _RECOMPUTE_DOC}))]
+     ("recompute_cheap", bool, dataclasses.field(default=RECOMPUTE_DEFAULT, metadata={"doc": _RECOMPUTE_DOC})),
+     ("fused_streams", bool, dataclasses.field(default=False, metadata={"doc": _FUSED_DOC}))]
     + [_knob_field(k) for k in KNOBS.values()],
     bases=(ModelConfig,),
     namespace={"__post_init__": _post_init, "__module__": __name__},
@@ -74,12 +78,33 @@ SiameseModelConfig.__doc__ = (
                 for k in KNOBS.values()))
 
 
+def fused_streams_problem(config: ModelConfig) -> Optional[str]:
+    """Why ``model.fused_streams`` cannot run with ``config`` (the fused ops compute RMSNorm without bias in OLMo's
+    sequential block), or None."""
+    norm = getattr(config.layer_norm_type, "value", config.layer_norm_type)
+    bias = config.bias_for_layer_norm if config.bias_for_layer_norm is not None else config.include_bias
+    block_type = getattr(config.block_type, "value", config.block_type)
+    got = [f"layer_norm_type: {norm}"] if norm != "rms" else []
+    got += ["a norm bias (bias_for_layer_norm / include_bias)"] if bias else []
+    got += [f"block_type: {block_type}"] if block_type != "sequential" else []
+    got += ["norm_after: true"] if config.norm_after else []
+    if not got:
+        return None
+    return (f"model.fused_streams needs RMS norms without bias in OLMo's sequential block (got {', '.join(got)}); "
+            "set layer_norm_type: rms, no norm bias, block_type: sequential, norm_after: false, or turn "
+            "model.fused_streams off.")
+
+
 def validate_model_config(config: ModelConfig, model_type: str) -> None:
     """Fail with one sentence that says what to change when the config cannot build ``model_type``."""
     if model_type not in VARIANTS:
         close = difflib.get_close_matches(str(model_type).lower(), MODEL_TYPES, n=1, cutoff=0.6)
         hint = f"did you mean {close[0]!r}? " if close else ""
         fail(f"Unknown MODEL_TYPE {model_type!r}; {hint}valid values are: {', '.join(MODEL_TYPES)}")
+    if getattr(config, "fused_streams", False):
+        problem = fused_streams_problem(config)
+        if problem:
+            fail(problem)
     if model_type == "pre":
         return
     block_type = getattr(config, "block_type", BlockType.sequential)

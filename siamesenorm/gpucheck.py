@@ -112,6 +112,9 @@ def _run_tool(args: Sequence[str], timeout: int = 600) -> Dict:
 
 def run_check(s: CheckSettings, progress=lambda m: print(m, file=sys.stderr, flush=True)) -> Dict:
     """Every step of the check; returns the results the report is made of."""
+    import torch
+
+    from .nn import fused
     from .preflight import preflight
     from .runconfig import load_config
 
@@ -132,6 +135,18 @@ def run_check(s: CheckSettings, progress=lambda m: print(m, file=sys.stderr, flu
                                "memory_model_peak_gib": est.get("memory", {}).get("peak")}
     except Exception as e:  # noqa: BLE001  (each step reports, the check goes on)
         result["failures"].append(f"preflight: {type(e).__name__}: {e}")
+
+    progress("the fused stream kernels (model.fused_streams) against their reference")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        start = time.time()
+        bad = fused.check(device)
+        result["fused"] = {"device": device, "kernels": "triton" if fused.available(torch.zeros(1, device=device))
+                           else "torch", "mismatches": len(bad), "seconds": time.time() - start}
+        if bad:
+            result["failures"].append(f"fused ops: {len(bad)} flag combinations disagree, e.g. {bad[0]}")
+    except Exception as e:  # noqa: BLE001
+        result["failures"].append(f"fused ops: {type(e).__name__}: {e}")
 
     runs = result["runs"] = {}
     for mt in s.variants:
@@ -188,6 +203,11 @@ def to_markdown(result: Dict, command: str) -> str:
                       + (f", MFU {100 * run['mfu']:.1f}%" if run.get("mfu") else "")
                       + (f", peak {run['peak_gib']:.2f} GiB (memory model, FSDP over 1: "
                          f"{pf['memory_model_peak_gib']:.2f} GiB)" if run.get("peak_gib") else "")]
+    fz = result.get("fused")
+    if fz:
+        lines += ["", f"Fused stream ops (model.fused_streams) on {fz['device']}, {fz['kernels']} path: "
+                  f"{fz['mismatches']} of 290 flag combinations disagree with the reference, forward and backward "
+                  f"({fz['seconds']:.0f} s)."]
     lines += ["", "## Training", "", "| MODEL_TYPE | exit | first loss | last loss | tokens/s (median, second half) "
               "| wall s |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for mt, r in result.get("runs", {}).items():

@@ -54,6 +54,8 @@ def block_for(layer_id: int, config: ModelConfig, cache: BufferCache) -> Optiona
         validate_model_config(config, model_type)
         log.debug("Building OLMo blocks with MODEL_TYPE=%s (from %s)", model_type, source)
     cls = block_class(model_type)
+    if getattr(config, "fused_streams", False) and VARIANTS[model_type].fused_block is not None:
+        cls = VARIANTS[model_type].fused_block
     return None if cls is None else cls(layer_id, config, cache)
 
 

@@ -38,11 +38,12 @@ AUTO_MAP = {"AutoConfig": "modeling_siamesenorm.SiameseOlmoConfig",
 REWRITES = (
     (re.compile(r"^(\s*)from olmo\.(?:model|config|exceptions) import ", re.M), r"\1from .olmo_lite import "),
     (re.compile(r"^(\s*)from \.\.nn\.topologies import ", re.M), r"\1from .topologies import "),
+    (re.compile(r"^(\s*)from \.\.nn\.fused import ", re.M), r"\1from .fused import "),
     (re.compile(r"^(\s*)from \. import KNOBS\b", re.M), r"\1from .variant_table import KNOBS"),
 )
 
 _RELATIVE = re.compile(r"^\s*from\s+\.(\w+)\s+import", re.M)  # what transformers copies along with a module file
-_ALLOWED = set(sys.stdlib_module_names) | {"torch", "transformers"}
+_ALLOWED = set(sys.stdlib_module_names) | {"torch", "transformers", "triton"}  # triton: optional (fused.py)
 
 
 def remote_refusal(olmo: Dict) -> Optional[str]:
@@ -52,8 +53,8 @@ def remote_refusal(olmo: Dict) -> Optional[str]:
 
 def _source(name: str) -> Path:
     """The package file that becomes ``name`` in an export."""
-    if name == "topologies.py":
-        return PACKAGE / "nn" / "topologies.py"
+    if name in ("topologies.py", "fused.py"):
+        return PACKAGE / "nn" / name
     if name in ("olmo_lite.py", "modeling_siamesenorm.py"):
         return HERE / name
     for folder in variants.__path__:  # the package's folder, then SIAMESENORM_VARIANTS' folders

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 from olmo.config import ModelConfig
 from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
 
+from ..nn.fused import stream_add
 from ..nn.topologies import DEPTH_SCALING_FORMS, StackedStreams, depth_connection, depth_divisor
 from .spec import Knob, knob
 
@@ -173,6 +174,10 @@ class TopologyBlock(StackedStreams, OLMoSequentialBlock):
         """``module`` as the core's norm argument (``self.norm``: recomputed in backward); None stays None."""
         return None if module is None else (lambda t: self.norm(module, t))
 
+    def weight(self, norm: nn.Module) -> Optional[torch.Tensor]:
+        """A norm's scale as the fused ops (siamesenorm/nn/fused.py) take it; None: a norm without one."""
+        return getattr(norm, "weight", None)
+
     def ckpt(self, fn: Callable, *args, **kwargs):
         """Run ``fn`` under OLMo's fine-grained activation checkpointing when it is on."""
         if self._activation_checkpoint_fn is not None:
@@ -269,6 +274,15 @@ class TwoStreamBlock(TopologyBlock):
         if self.is_last:
             self.out_norm_x = self.new_norm()
             self.out_norm_y = self.new_norm()
+        # model.fused_streams (RMS norms without bias, checked in validate_model_config): siamesenorm/nn/fused.py
+        self.fused_streams = bool(getattr(config, "fused_streams", False))
+
+    def end(self, xs: torch.Tensor, ys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The block's last update, X + O / c and Y + O, then ``finish``; fused: written straight into the stacked
+        state."""
+        if self.fused_streams and not self.is_last:
+            return stream_add(xs, ys, out, scale=1.0 / self.depth_scale)
+        return self.finish([xs + out / self.depth_scale, ys + out])
 
     def contributions(self, streams):
         x_stream, y_stream = streams

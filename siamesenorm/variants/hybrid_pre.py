@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
+from ..nn.fused import stream_input
 from ..nn.topologies import siamese_hybrid_attention, siamese_update
 from ._base import SIAMESE_KNOBS, TwoStreamBlock
 from .hybrid import QKVHeadNormAttention, validate_qkv_head_norms
@@ -54,6 +55,8 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
 
     def update(self, x, attention):
         xs, ys = self.split_streams(x)
+        if self.fused_streams:
+            return self.fused_update(xs, ys, attention)
         # LN^X_attn (attn_norm_x) is applied at the start of the MLP's input fusion rather than at the end of the
         # attention sublayer: the same X, one tensor fewer kept for backward
         xs, ys = siamese_hybrid_attention(xs, ys, attention, gamma=self.gamma, y_norm=self.attn_norm_y, x_norm=None,
@@ -63,6 +66,19 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
                                 in_norm=in_norm, c=self.depth_scale, x_norm_position="before_sublayer",
                                 run=self.cheap)
         return self.finish([xs, ys])
+
+    def fused_update(self, xs, ys, attention):
+        """The same equations through the fused ops (model.fused_streams): one op before each sublayer, one after
+        the MLP."""
+        eps = self.config.layer_norm_eps
+        _, _, h = stream_input(xs, ys, gamma=self.gamma, y_weight=self.weight(self.attn_norm_y), eps=eps)
+        r = attention(h)
+        normalized = knob(self.config, "siamese_normalized_input")
+        xs, ys, m = stream_input(xs, ys, r, scale=1.0 / self.depth_scale, x_norm=True,
+                                 x_weight=self.weight(self.attn_norm_x), y_weight=self.weight(self.ff_norm_y),
+                                 in_norm=normalized, in_weight=self.weight(self.ff_norm) if normalized else None,
+                                 eps=eps)
+        return self.end(xs, ys, self.mlp(m))
 
     def input_scales(self, previous: "SiameseHybridPreBlock | None") -> dict:
         """(scale of X, scale of Y) as each sublayer's input receives them (paper figure 6): gamma and LN^Y_attn for

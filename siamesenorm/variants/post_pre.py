@@ -32,6 +32,7 @@ Pre-Norm (RMSNorm, normalized input on); with every LN^Y scale zeroed it is Post
 
 from __future__ import annotations
 
+from ..nn.fused import stream_input
 from ..nn.topologies import NORM_POSITIONS, siamese_update
 from ._base import SIAMESE_KNOBS, TwoStreamBlock
 from .spec import Knob, Variant, knob
@@ -60,12 +61,27 @@ class SiamesePostPreBlock(TwoStreamBlock):
         xs, ys = self.split_streams(x)
         normalized = knob(self.config, "siamese_normalized_input")
         position = knob(self.config, "post_pre_x_norm_position")
+        if self.fused_streams and position == "before_sublayer":
+            return self.fused_update(xs, ys, attention, normalized)
         for branch, prefix in ((attention, "attn"), (self.mlp, "ff")):
             xs, ys = siamese_update(
                 xs, ys, branch, x_norm=getattr(self, f"{prefix}_norm_x"), y_norm=getattr(self, f"{prefix}_norm_y"),
                 in_norm=getattr(self, f"{prefix}_norm") if normalized else None, c=self.depth_scale,
                 x_norm_position=position, run=self.cheap)
         return self.finish([xs, ys])
+
+    def fused_update(self, xs, ys, attention, normalized: bool):
+        """LN^X before each sublayer through the fused ops (model.fused_streams): the attention's input fusion, the
+        attention output's add fused with the MLP's input fusion, and the MLP output's add."""
+        eps, out = self.config.layer_norm_eps, None
+        for branch, prefix in ((attention, "attn"), (self.mlp, "ff")):
+            xs, ys, h = stream_input(xs, ys, out, scale=1.0 / self.depth_scale, x_norm=True,
+                                     x_weight=self.weight(getattr(self, f"{prefix}_norm_x")),
+                                     y_weight=self.weight(getattr(self, f"{prefix}_norm_y")), in_norm=normalized,
+                                     in_weight=self.weight(getattr(self, f"{prefix}_norm")) if normalized else None,
+                                     eps=eps)
+            out = branch(h)
+        return self.end(xs, ys, out)
 
     def input_scales(self, previous: "SiamesePostPreBlock | None") -> dict:
         """(scale of X, scale of Y) as each sublayer's input receives them (paper figure 6): X's scale is that of

@@ -73,6 +73,9 @@ class Variant:
     #: Its colour in every figure (a matplotlib colour; "": the registry picks one no other variant uses).
     colour: str = ""
     block: Optional[type] = None
+    #: The block built instead of ``block`` when ``model.fused_streams`` is on (``pre``: OLMo's weights, its
+    #: residual add and next norm as one fused op); None: ``block`` reads the flag itself or ignores it.
+    fused_block: Optional[type] = None
     #: Position in MODEL_TYPES (the order the docs and ``--help`` list the variants) and in the tables: any numbers,
     #: each used once; None (a new variant) places it after every placed one, by name.
     order: Optional[float] = None

@@ -1,0 +1,485 @@
+"""SiameseNorm's stream updates and input fusion in one pass over the streams, independent of the compiler.
+
+One sublayer's input side, per token (row of d features; every norm an RMSNorm, each optional part by flag):
+
+    X1 = X + O * s,  Y1 = Y + O                       (with the previous sublayer's output O; without, X1 = X, Y1 = Y)
+    XA = LN^X(X1)                                     (with ``x_weight``/``x_norm``; else XA = X1)
+    Z  = gamma * XA + LN^Y(Y1)                        (gamma only where given: hybrid_pre's attention)
+    H  = LN^in(Z)                                     (with ``in_norm``; else H = Z)
+
+returns (XA, Y1, H): the two streams after the update and the sublayer's input. Without X (one stream, ``x``
+None: Pre-Norm's add and norm, the fair baseline) it is Y1 = Y + O, H = LN^in(LN^Y(Y1)). ``stream_add`` is the end
+of a block: X + O * s and Y + O written side by side into the stacked state. Eager PyTorch runs this as about
+30 kernels that each read and write a (rows, d) tensor; one Triton kernel reads X, Y, O once and writes XA, Y1, H
+(and X1 where LN^X follows the add, for backward). Backward is one kernel too: it keeps only Y1 and X1 (XA when
+there is no LN^X), recomputes the norms from them, and writes dX, dY, dO with each weight's gradient summed over
+its rows by program and then over programs.
+
+``stream_input`` picks the Triton kernel for CUDA tensors when Triton is installed (or every device under
+``TRITON_INTERPRET=1``, Triton's interpreter, which the tests use on CPU), and ``reference`` (plain torch, fp32
+inside, the same arithmetic) otherwise. ``check`` compares the op with autograd of ``reference`` for every flag
+combination (the tests run it, and the GPU check on CUDA).
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+from typing import List, Optional, Tuple
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # CPU machines without Triton: the torch reference runs
+    triton = None
+
+Tensor = torch.Tensor
+
+
+def _rms(u: Tensor, w: Optional[Tensor], eps: float) -> Tensor:
+    out = u * torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+    return out * w.float() if w is not None else out
+
+
+def reference(x: Optional[Tensor], y: Tensor, o: Optional[Tensor] = None, *, scale: float = 1.0,
+              x_norm: bool = False, x_weight: Optional[Tensor] = None, y_weight: Optional[Tensor] = None,
+              gamma: Optional[Tensor] = None, in_norm: bool = False, in_weight: Optional[Tensor] = None,
+              eps: float = 1e-5) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+    """The fused op's arithmetic in plain torch (fp32 inside, outputs in the streams' dtype); ``x`` None: one
+    stream (XA None, Z = LN^Y(Y1))."""
+    dtype = y.dtype
+    y1 = y.float() + o.float() if o is not None else y.float()
+    z = _rms(y1, y_weight, eps)
+    xa = None
+    if x is not None:
+        x1 = x.float() + o.float() * scale if o is not None else x.float()
+        xa = _rms(x1, x_weight, eps) if x_norm else x1
+        z = z + (xa * gamma.float() if gamma is not None else xa)
+    h = _rms(z, in_weight, eps) if in_norm else z
+    return (xa.to(dtype) if xa is not None else None), y1.to(dtype), h.to(dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rstd(u, d, eps):
+        return 1.0 / tl.sqrt(tl.sum(u * u, axis=0) / d + eps)
+
+    @triton.jit
+    def _forward_kernel(X, Y, O, XA, Y1, H, X1, WX, WY, G, WIN, x_stride, y_stride, o_stride, out_stride, d, scale,
+                        eps, HAS_X: tl.constexpr, HAS_O: tl.constexpr, X_NORM: tl.constexpr, HAS_WX: tl.constexpr,
+                        HAS_WY: tl.constexpr, HAS_G: tl.constexpr, IN_NORM: tl.constexpr, HAS_WIN: tl.constexpr,
+                        HAS_H: tl.constexpr, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < d
+        y = tl.load(Y + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
+        if HAS_O:
+            o = tl.load(O + row * o_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            y = y + o
+            tl.store(Y1 + row * out_stride + cols, y.to(Y1.dtype.element_ty), mask=mask)
+        if HAS_X:
+            xa = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_O:
+                xa = xa + o * scale
+            if X_NORM:
+                tl.store(X1 + row * d + cols, xa.to(X1.dtype.element_ty), mask=mask)
+                xa = xa * _rstd(xa, d, eps)
+                if HAS_WX:
+                    xa = xa * tl.load(WX + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_O or X_NORM:  # else X passes through unchanged and is not written
+                tl.store(XA + row * out_stride + cols, xa.to(XA.dtype.element_ty), mask=mask)
+        if HAS_H:
+            z = y * _rstd(y, d, eps)
+            if HAS_WY:
+                z = z * tl.load(WY + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_X:
+                if HAS_G:
+                    z = z + xa * tl.load(G + cols, mask=mask, other=0.0).to(tl.float32)
+                else:
+                    z = z + xa
+            h = z
+            if IN_NORM:
+                h = z * _rstd(z, d, eps)
+                if HAS_WIN:
+                    h = h * tl.load(WIN + cols, mask=mask, other=0.0).to(tl.float32)
+            tl.store(H + row * d + cols, h.to(H.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _norm_backward(u, w, grad, d, eps, HAS_W: tl.constexpr):
+        """(du, u_hat) for out = u_hat * w, u_hat = u * rstd(u), given d out = grad."""
+        r = 1.0 / tl.sqrt(tl.sum(u * u, axis=0) / d + eps)
+        u_hat = u * r
+        g = grad * w if HAS_W else grad
+        return r * (g - u_hat * (tl.sum(g * u_hat, axis=0) / d)), u_hat
+
+    @triton.jit
+    def _backward_kernel(XS, Y1, DXA, DY1, DH, DX, DY, DO, WX, WY, G, WIN, PWX, PWY, PG, PWIN, xs_stride, y1_stride,
+                         dxa_stride, dy1_stride, rows, d, scale, eps, HAS_X: tl.constexpr, HAS_O: tl.constexpr,
+                         X_NORM: tl.constexpr, HAS_WX: tl.constexpr, HAS_WY: tl.constexpr, HAS_G: tl.constexpr,
+                         IN_NORM: tl.constexpr, HAS_WIN: tl.constexpr, HAS_H: tl.constexpr,
+                         ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < d
+        zero = tl.zeros([BLOCK], tl.float32)
+        wx = tl.load(WX + cols, mask=mask, other=0.0).to(tl.float32) if HAS_WX else zero
+        wy = tl.load(WY + cols, mask=mask, other=0.0).to(tl.float32) if HAS_WY else zero
+        gm = tl.load(G + cols, mask=mask, other=0.0).to(tl.float32) if HAS_G else zero
+        win = tl.load(WIN + cols, mask=mask, other=0.0).to(tl.float32) if HAS_WIN else zero
+        acc_wx = tl.zeros([BLOCK], tl.float32)
+        acc_wy = tl.zeros([BLOCK], tl.float32)
+        acc_g = tl.zeros([BLOCK], tl.float32)
+        acc_win = tl.zeros([BLOCK], tl.float32)
+        for i in range(ROWS_PER_PROGRAM):
+            row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
+            m = mask & (row < rows)
+            dy1 = tl.load(DY1 + row * dy1_stride + cols, mask=m, other=0.0).to(tl.float32)
+            dxa = zero
+            xa = zero
+            if HAS_X:
+                dxa = tl.load(DXA + row * dxa_stride + cols, mask=m, other=0.0).to(tl.float32)
+                xs = zero
+                if X_NORM or HAS_H:  # X1 with LN^X, else XA; the end-of-block add needs neither stream
+                    xs = tl.load(XS + row * xs_stride + cols, mask=m, other=0.0).to(tl.float32)
+                xa = xs
+                if X_NORM:
+                    xa = xs * (1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / d + eps))
+                    if HAS_WX:
+                        xa = xa * wx
+            if HAS_H:
+                y1 = tl.load(Y1 + row * y1_stride + cols, mask=m, other=0.0).to(tl.float32)
+                dh = tl.load(DH + row * d + cols, mask=m, other=0.0).to(tl.float32)
+                y_hat = y1 * (1.0 / tl.sqrt(tl.sum(y1 * y1, axis=0) / d + eps))
+                z = y_hat * wy if HAS_WY else y_hat
+                if HAS_X:
+                    z = z + (xa * gm if HAS_G else xa)
+                dz = dh
+                if IN_NORM:
+                    dz, z_hat = _norm_backward(z, win, dh, d, eps, HAS_WIN)
+                    if HAS_WIN:
+                        acc_win += dh * z_hat
+                if HAS_X:
+                    if HAS_G:
+                        acc_g += dz * xa
+                        dxa += dz * gm
+                    else:
+                        dxa += dz
+                dyn, _ = _norm_backward(y1, wy, dz, d, eps, HAS_WY)
+                if HAS_WY:
+                    acc_wy += dz * y_hat
+                dy1 += dyn
+            tl.store(DY + row * d + cols, dy1.to(DY.dtype.element_ty), mask=m)
+            if HAS_X:
+                dx1 = dxa
+                if X_NORM:
+                    dx1, x_hat = _norm_backward(xs, wx, dxa, d, eps, HAS_WX)
+                    if HAS_WX:
+                        acc_wx += dxa * x_hat
+                tl.store(DX + row * d + cols, dx1.to(DX.dtype.element_ty), mask=m)
+                if HAS_O:
+                    tl.store(DO + row * d + cols, (dx1 * scale + dy1).to(DO.dtype.element_ty), mask=m)
+            elif HAS_O:
+                tl.store(DO + row * d + cols, dy1.to(DO.dtype.element_ty), mask=m)
+        if HAS_WX:
+            tl.store(PWX + pid * d + cols, acc_wx, mask=mask)
+        if HAS_WY:
+            tl.store(PWY + pid * d + cols, acc_wy, mask=mask)
+        if HAS_G:
+            tl.store(PG + pid * d + cols, acc_g, mask=mask)
+        if HAS_WIN:
+            tl.store(PWIN + pid * d + cols, acc_win, mask=mask)
+
+
+def _rows(t: Tensor, d: int) -> Tuple[Tensor, int]:
+    """(t as (rows, d), the row stride): read in place when its rows are d contiguous features a fixed stride apart
+    (a contiguous tensor, or one stream of a stacked state); otherwise a contiguous copy."""
+    lead, strides = t.shape[:-1], t.stride()[:-1]
+    if t.stride(-1) == 1 and lead and all(strides[i] == strides[i + 1] * lead[i + 1] for i in range(len(lead) - 1)):
+        return t.as_strided((t.numel() // d, d), (strides[-1], 1)), strides[-1]
+    return t.contiguous().view(-1, d), d
+
+
+def _empty(like: Tensor) -> Tensor:
+    return like.new_empty(0)
+
+
+def _flags(x, o, weights, x_norm, in_norm, has_h):
+    x_weight, y_weight, gamma, in_weight = weights
+    return dict(HAS_X=x is not None, HAS_O=o is not None, X_NORM=bool(x_norm), HAS_WX=x_weight is not None,
+                HAS_WY=y_weight is not None, HAS_G=gamma is not None, IN_NORM=bool(in_norm),
+                HAS_WIN=in_weight is not None, HAS_H=bool(has_h))
+
+
+def _triton_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps):
+    d = y.shape[-1]
+    (yr, ys) = _rows(y, d)
+    xr, xs = _rows(x, d) if x is not None else (yr, 0)
+    orows, o_stride = _rows(o, d) if o is not None else (yr, 0)
+    rows = yr.shape[0]
+    new = functools.partial(torch.empty, dtype=y.dtype, device=y.device)
+    write_x, write_y = x is not None and (o is not None or x_norm), o is not None
+    if has_h:
+        xa, y1, h, out_stride = new((rows, d)) if write_x else xr, new((rows, d)) if write_y else yr, new((rows, d)), d
+    else:  # the end of a block: both streams written side by side
+        stacked = new((rows, 2 * d))
+        xa, y1, h, out_stride = stacked[:, :d], stacked[:, d:], xr, 2 * d
+    x1 = new((rows, d)) if x_norm else xa
+    _forward_kernel[(rows,)](xr, yr, orows, xa, y1, h, x1, *(w if w is not None else yr for w in weights), xs, ys,
+                             o_stride, out_stride, d, float(scale), float(eps), BLOCK=triton.next_power_of_2(d),
+                             **_flags(x, o, weights, x_norm, in_norm, has_h))
+    if not has_h:
+        return stacked, None, None, None
+    return (xa if write_x else None), (y1 if write_y else None), h, (x1 if x_norm else None)
+
+
+def _torch_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps):
+    """The same outputs as the kernel, in plain torch (CPU, or CUDA without Triton)."""
+    if not has_h:
+        return torch.cat([(x.float() + o.float() * scale).to(x.dtype), (y.float() + o.float()).to(y.dtype)], -1), \
+            None, None, None
+    x_weight, y_weight, gamma, in_weight = weights
+    xa, y1, h = reference(x, y, o, scale=scale, x_norm=x_norm, x_weight=x_weight, y_weight=y_weight, gamma=gamma,
+                          in_norm=in_norm, in_weight=in_weight, eps=eps)
+    x1 = None
+    if x is not None and x_norm:
+        x1 = (x.float() + o.float() * scale).to(x.dtype) if o is not None else x.clone()
+    return (xa if x is not None and (o is not None or x_norm) else None), (y1 if o is not None else None), h, x1
+
+
+def _norm_backward_torch(u, w, grad, eps):
+    """(du, u_hat) for out = u_hat * w, u_hat = u * rstd(u): what the kernel's _norm_backward computes."""
+    r = torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+    u_hat = u * r
+    g = grad * w if w is not None else grad
+    return r * (g - u_hat * (g * u_hat).mean(-1, keepdim=True)), u_hat
+
+
+def _torch_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps):
+    """The kernel's backward in plain torch, written out (not autograd): tested against autograd of ``reference``."""
+    wx, wy, gm, win = (w.float() if w is not None else None for w in weights)
+    dy1 = dy1.float().clone()  # an op's outputs may not alias its inputs
+    dxa = dxa.float().clone() if has_x else None
+    grads = [None, None, None, None]
+    xs = xs.float() if has_x else None
+    xa = _rms(xs, wx, eps) if has_x and x_norm else xs
+    if has_h:
+        y1, dh = y1.float(), dh.float()
+        y_hat = y1 * torch.rsqrt(y1.pow(2).mean(-1, keepdim=True) + eps)
+        z = y_hat * wy if wy is not None else y_hat
+        if has_x:
+            z = z + (xa * gm if gm is not None else xa)
+        dz = dh
+        if in_norm:
+            dz, z_hat = _norm_backward_torch(z, win, dh, eps)
+            if win is not None:
+                grads[3] = (dh * z_hat).reshape(-1, z.shape[-1]).sum(0)
+        if has_x and gm is not None:
+            grads[2] = (dz * xa).reshape(-1, z.shape[-1]).sum(0)
+            dxa = dxa + dz * gm
+        elif has_x:
+            dxa = dxa + dz
+        dyn, _ = _norm_backward_torch(y1, wy, dz, eps)
+        if wy is not None:
+            grads[1] = (dz * y_hat).reshape(-1, z.shape[-1]).sum(0)
+        dy1 = dy1 + dyn
+    dx1 = dxa
+    if has_x and x_norm:
+        dx1, x_hat = _norm_backward_torch(xs, wx, dxa, eps)
+        if wx is not None:
+            grads[0] = (dxa * x_hat).reshape(-1, xs.shape[-1]).sum(0)
+    do = (dx1 * scale + dy1 if has_x else dy1.clone()) if has_o else None  # outputs may not alias each other
+    return dx1, dy1, do, grads
+
+
+def _triton_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps):
+    d = dy1.shape[-1]
+    dy1, dy1_stride = _rows(dy1, d)
+    rows = dy1.shape[0]
+    dxa, dxa_stride = _rows(dxa, d) if has_x else (dy1, 0)
+    xs, xs_stride = _rows(xs, d) if xs.numel() else (dy1, 0)
+    y1, y1_stride = _rows(y1, d) if y1.numel() else (dy1, 0)
+    dh = dh.reshape(rows, d).contiguous() if dh.numel() else dy1
+    dy = torch.empty((rows, d), dtype=torch.float32, device=dy1.device)
+    dx, do = (torch.empty_like(dy) if has_x else dy), (torch.empty_like(dy) if has_o else dy)
+    per = min(64, rows)  # rows per program: 64 at training sizes; a small call, one program
+    programs = triton.cdiv(rows, per)
+    partials = [torch.empty((programs, d), dtype=torch.float32, device=dy.device) if w is not None else dy
+                for w in weights]
+    _backward_kernel[(programs,)](xs, y1, dxa, dy1, dh, dx, dy, do, *(w if w is not None else dy for w in weights),
+                                  *partials, xs_stride, y1_stride, dxa_stride, dy1_stride, rows, d, scale, eps,
+                                  ROWS_PER_PROGRAM=per, BLOCK=triton.next_power_of_2(d),
+                                  **_flags(dx if has_x else None, do if has_o else None, weights, x_norm, in_norm,
+                                           has_h))
+    return (dx if has_x else None), dy, (do if has_o else None), \
+        [p.sum(0) if w is not None else None for p, w in zip(partials, weights)]
+
+
+def _use_triton(t: Tensor) -> bool:
+    return triton is not None and (t.is_cuda or os.environ.get("TRITON_INTERPRET") == "1")
+
+
+Opt = Optional[Tensor]
+
+
+@torch.library.custom_op("siamesenorm::stream_forward", mutates_args=())
+def _stream_forward(x: Opt, y: Tensor, o: Opt, x_weight: Opt, y_weight: Opt, gamma: Opt, in_weight: Opt,
+                    scale: float, x_norm: bool, in_norm: bool, has_h: bool,
+                    eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(XA, Y1, H, X1), each empty where not written (X, Y passing through unchanged, or no X; X1 only with LN^X);
+    without ``has_h``, (the stacked streams, empty, empty, empty)."""
+    run = _triton_forward if _use_triton(y) else _torch_forward
+    out = run(x, y, o, (x_weight, y_weight, gamma, in_weight), scale, x_norm, in_norm, has_h, eps)
+    return tuple(t.reshape(*y.shape[:-1], t.shape[-1]) if t is not None else _empty(y) for t in out)
+
+
+@_stream_forward.register_fake
+def _(x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, eps):
+    if not has_h:
+        return y.new_empty(*y.shape[:-1], 2 * y.shape[-1]), _empty(y), _empty(y), _empty(y)
+    has_x = x is not None
+    return (y.new_empty(y.shape) if has_x and (o is not None or x_norm) else _empty(y),
+            y.new_empty(y.shape) if o is not None else _empty(y), y.new_empty(y.shape),
+            y.new_empty(y.shape) if has_x and x_norm else _empty(y))
+
+
+@torch.library.custom_op("siamesenorm::stream_backward", mutates_args=())
+def _stream_backward(xs: Tensor, y1: Tensor, dxa: Tensor, dy1: Tensor, dh: Tensor, x_weight: Opt, y_weight: Opt,
+                     gamma: Opt, in_weight: Opt, scale: float, x_norm: bool, in_norm: bool, has_h: bool, has_o: bool,
+                     has_x: bool, eps: float, x_dtype: torch.dtype, o_dtype: torch.dtype) -> List[Tensor]:
+    """(dX, dY, dO, dW^X, dW^Y, dgamma, dW^in), each empty where absent."""
+    weights = (x_weight, y_weight, gamma, in_weight)
+    run = _triton_backward if _use_triton(dy1) else _torch_backward
+    dx, dy, do, grads = run(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps)
+    shape = dy1.shape
+    out = [dx.reshape(shape).to(x_dtype) if dx is not None else _empty(dy1), dy.reshape(shape).to(x_dtype),
+           do.reshape(shape).to(o_dtype) if do is not None else _empty(dy1)]
+    return out + [g.to(w.dtype) if g is not None else _empty(dy1) for g, w in zip(grads, weights)]
+
+
+@_stream_backward.register_fake
+def _(xs, y1, dxa, dy1, dh, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, has_o, has_x, eps,
+      x_dtype, o_dtype):
+    out = [dy1.new_empty(dy1.shape, dtype=x_dtype) if has_x else _empty(dy1), dy1.new_empty(dy1.shape, dtype=x_dtype),
+           dy1.new_empty(dy1.shape, dtype=o_dtype) if has_o else _empty(dy1)]
+    weights = (x_weight, y_weight, gamma, in_weight)
+    return out + [w.new_empty(w.shape) if w is not None else _empty(dy1) for w in weights]
+
+
+def _setup(ctx, inputs, output):
+    x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, eps = inputs
+    a, b, _, x1 = output
+    has_x = x is not None
+    keep_x, keep_y = _empty(y), _empty(y)  # the end-of-block add recomputes nothing
+    if has_h:
+        if has_x:
+            keep_x = x1 if x_norm else (a if a.numel() else x)
+        keep_y = b if b.numel() else y
+    ctx.save_for_backward(keep_x, keep_y, x_weight, y_weight, gamma, in_weight)
+    ctx.args = (scale, x_norm, in_norm, has_h, o is not None, has_x, eps, y.dtype,
+                o.dtype if o is not None else y.dtype)
+    ctx.shape = y.shape
+
+
+def _backward(ctx, da, db, dh, _dx1):
+    keep_x, keep_y, *weights = ctx.saved_tensors
+    scale, x_norm, in_norm, has_h, has_o, has_x, eps, x_dtype, o_dtype = ctx.args
+    zeros = functools.lru_cache(None)(lambda: torch.zeros(ctx.shape, dtype=x_dtype, device=keep_y.device))
+    if has_h:
+        dxa = (da if da is not None and da.numel() else zeros()) if has_x else _empty(keep_y)
+        dy1 = db if db is not None and db.numel() else zeros()
+        dh = dh if dh is not None else zeros()
+    else:
+        d = ctx.shape[-1]
+        dxa, dy1, dh = da[..., :d], da[..., d:], _empty(da)
+    dx, dy, do, *dw = _stream_backward(keep_x, keep_y, dxa, dy1, dh, *weights, scale, x_norm, in_norm, has_h, has_o,
+                                       has_x, eps, x_dtype, o_dtype)
+    grads = [g if g.numel() else None for g in dw]
+    return (dx if has_x else None, dy, do if has_o else None, *grads, None, None, None, None, None)
+
+
+_stream_forward.register_autograd(_backward, setup_context=_setup)
+
+
+def available(t: Tensor) -> bool:
+    """Whether the Triton kernels run for tensors like ``t`` (else the same op runs in plain torch): CUDA with Triton
+    installed, or any device under Triton's interpreter (``TRITON_INTERPRET=1``, how the tests run them on CPU)."""
+    return _use_triton(t)
+
+
+def stream_input(x: Optional[Tensor], y: Tensor, o: Optional[Tensor] = None, *, scale: float = 1.0,
+                 x_norm: bool = False, x_weight: Optional[Tensor] = None, y_weight: Optional[Tensor] = None,
+                 gamma: Optional[Tensor] = None, in_norm: bool = False, in_weight: Optional[Tensor] = None,
+                 eps: float = 1e-5) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+    """(XA, Y1, H) as in the module docstring, one op each way (``siamesenorm::stream_forward`` / ``_backward``).
+    ``x`` None: one stream, H = LN^in(LN^Y(Y1)) (Pre-Norm's add and norm; XA comes back None)."""
+    a, b, h, _ = _stream_forward(x, y, o, x_weight, y_weight, gamma, in_weight, float(scale), bool(x_norm),
+                                 bool(in_norm), True, float(eps))
+    return (None if x is None else a if a.numel() else x), (b if b.numel() else y), h
+
+
+def stream_add(x: Tensor, y: Tensor, o: Tensor, *, scale: float = 1.0) -> Tensor:
+    """The end of a block: (X + O * s, Y + O) stacked on the feature axis, (..., 2d), the state OLMo's loop carries."""
+    return _stream_forward(x, y, o, None, None, None, None, float(scale), False, False, False, 1e-5)[0]
+
+
+# ---- the check the tests and the GPU check run ---------------------------------------------------------------------
+def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol: float = 2e-5) -> List[dict]:
+    """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32) and ``stream_add``, on separate
+    and stacked streams, forward and backward (a random projection of the outputs), against autograd of
+    ``reference``, fp64 inputs on ``device`` (fp32 inside both); returns the combinations that disagree. On CUDA
+    with Triton (or under ``TRITON_INTERPRET=1``) it checks the kernels, elsewhere the torch path."""
+    gen = torch.Generator().manual_seed(0)
+    shape = (*rows, d)
+
+    def randn(*size, grad=True):
+        return torch.randn(*size, generator=gen, dtype=torch.float64).to(device).requires_grad_(grad)
+
+    def weight(on):
+        return (1 + 0.3 * randn(d, grad=False)).requires_grad_() if on else None
+
+    def streams(stacked):
+        if stacked:  # the two halves of one stacked state: strided rows, read in place
+            state = randn(*rows, 2 * d)
+            return [state], *state.chunk(2, -1)
+        x, y = randn(*shape), randn(*shape)
+        return [x, y], x, y
+
+    def agree(expected, got, leaves, widths):
+        probes = [randn(*rows, w, grad=False) for w in widths]
+        results = []
+        for fn in (expected, got):
+            out = fn()
+            out = out if isinstance(out, tuple) else (out,)
+            loss = sum((a * b).sum() for a, b in zip(out, probes) if a is not None)
+            results.append((out, torch.autograd.grad(loss, leaves, allow_unused=True)))
+
+        def close(a, b):
+            return (a is None and b is None) or (a is not None and b is not None
+                                                 and torch.allclose(a, b, atol=tol, rtol=tol))
+
+        return all(map(close, results[0][0], results[1][0])) and all(map(close, results[0][1], results[1][1]))
+
+    bad = []
+    for two, has_o, x_norm, wx, wy, g, in_norm, win, stacked in itertools.product([True, False], repeat=9):
+        if not two and (x_norm or wx or g):
+            continue  # one stream: no X, no LN^X, no gamma
+        leaves, x, y = streams(stacked)
+        x = x if two else None
+        o = randn(*shape) if has_o else None
+        kw = dict(scale=0.37, x_norm=x_norm, x_weight=weight(wx and x_norm), y_weight=weight(wy), gamma=weight(g),
+                  in_norm=in_norm, in_weight=weight(win and in_norm))
+        leaves = leaves + [t for t in (o, *kw.values()) if isinstance(t, Tensor)]
+        if not agree(lambda: reference(x, y, o, **kw), lambda: stream_input(x, y, o, **kw), leaves, (d, d, d)):
+            bad.append(dict(two=two, has_o=has_o, x_norm=x_norm, wx=wx, wy=wy, g=g, in_norm=in_norm, win=win,
+                            stacked=stacked))
+    for stacked in (False, True):
+        leaves, x, y = streams(stacked)
+        o = randn(*shape)
+        if not agree(lambda: torch.cat([x + o * 0.37, y + o], -1), lambda: stream_add(x, y, o, scale=0.37),
+                     leaves + [o], (2 * d,)):
+            bad.append(dict(stream_add=True, stacked=stacked))
+    return bad

@@ -1,0 +1,143 @@
+"""model.fused_streams: the fused stream ops (siamesenorm/nn/fused.py) against autograd of their plain-torch reference,
+in the torch path here and in the Triton kernels under Triton's interpreter (CPU); whole models fused against
+unfused; one op each way for the cost model; the config check."""
+
+import copy
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import tiny_config
+from siamesenorm import build_model, costmodel
+from siamesenorm.config import validate_model_config
+from siamesenorm.nn import fused
+from siamesenorm.trainer import compile_blocks
+
+ROOT = Path(__file__).resolve().parents[1]
+#: Where scripts/setup_env.sh installs Triton for its interpreter (not into the environment: torch's CPU build
+#: does not expect it there).
+TRITON_TARGET = Path(sys.prefix) / "triton-interpreter"
+def test_torch_path_matches_autograd_of_the_reference():
+    assert not fused.available(torch.zeros(1)), "this test is for the torch path (no CUDA, no TRITON_INTERPRET)"
+    assert fused.check() == []
+
+
+def test_the_check_catches_a_wrong_backward(monkeypatch):
+    """The same check with dO missing the depth scale on X's part: many combinations must fail."""
+    original = fused._torch_backward
+
+    def wrong(*args):
+        dx, dy, do, grads = original(*args)
+        return dx, dy, (dx + dy if do is not None and dx is not None else do), grads
+
+    monkeypatch.setattr(fused, "_torch_backward", wrong)
+    assert len(fused.check()) >= 64
+
+
+@pytest.mark.skipif(not (TRITON_TARGET / "triton").is_dir(),
+                    reason=f"Triton for its interpreter is not in {TRITON_TARGET} (bash scripts/setup_env.sh puts it "
+                           "there)")
+def test_triton_kernels_in_the_interpreter():
+    """The Triton kernels themselves (forward and backward, every flag), run by Triton's interpreter on CPU."""
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join([str(TRITON_TARGET), str(ROOT)]))
+    code = ("import torch; from siamesenorm.nn import fused; "
+            "assert fused.available(torch.zeros(1)), 'not the kernels'; print('mismatches', fused.check())")
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().splitlines()[-1] == "mismatches []", done.stdout[-3000:]
+
+
+def _perturbed_pair(model_type, **extra):
+    """The same weights (norm scales moved off 1, so every scale's gradient matters) unfused and fused."""
+    torch.manual_seed(0)
+    plain = build_model(tiny_config(layer_norm_with_affine=True, **extra), model_type)
+    with torch.no_grad():
+        for p in plain.parameters():
+            if p.dim() == 1:
+                p.mul_(1 + 0.2 * torch.randn_like(p))
+    fused_model = build_model(tiny_config(layer_norm_with_affine=True, fused_streams=True, **extra), model_type)
+    fused_model.load_state_dict(plain.state_dict())  # the same parameter names: checkpoints load either way
+    return plain, fused_model
+
+
+@pytest.mark.parametrize("model_type,extra", [
+    ("pre", {}), ("hybrid_pre", {}), ("post_pre", {}), ("hybrid_pre", {"siamese_normalized_input": False}),
+    ("post_pre", {"siamese_depth_scaling": False}),
+])
+def test_fused_model_matches_unfused(model_type, extra):
+    plain, fused_model = _perturbed_pair(model_type, **extra)
+    ids = torch.randint(0, 96, (2, 16))
+    results = []
+    for model in (plain, fused_model):
+        logits = model(ids).logits
+        logits.square().mean().backward()
+        results.append((logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+    (logits_a, grads_a), (logits_b, grads_b) = results
+    assert grads_a.keys() == grads_b.keys()
+    assert (logits_a - logits_b).abs().max() < 1e-5
+    for name in grads_a:
+        scale = grads_a[name].abs().max() + 1e-12
+        assert (grads_a[name] - grads_b[name]).abs().max() / scale < 1e-5, name
+    # the fused blocks ran the fused ops (not the unfused code under another flag)
+    with costmodel._Counter() as counter:
+        fused_model(ids)
+    # pre: two per block; SiameseNorm: two, and the end of every block but the last
+    assert counter.cost.by_op["stream_forward"][0] == (6 if model_type == "pre" else 8)
+
+
+def test_after_addition_post_pre_ignores_the_flag_exactly():
+    """post_pre's text reading (LN^X after the addition) has no fused form: the flag leaves it bit-identical."""
+    plain, fused_model = _perturbed_pair("post_pre", post_pre_x_norm_position="after_addition")
+    ids = torch.randint(0, 96, (2, 16))
+    assert torch.equal(plain(ids).logits, fused_model(ids).logits)
+
+
+def test_one_op_each_way_per_sublayer():
+    """What the cost model sees of a fused post_pre middle block: three fused ops forward (the attention's input,
+    the attention's add with the MLP's input, the MLP's add into the stacked state) and three backward."""
+    cfg = tiny_config(layer_norm_with_affine=True, fused_streams=True)
+    step = costmodel.step_cost(cfg, "post_pre", microbatch=2, seq_len=16, autocast=None)
+    full = step["by_op"]
+    assert full["forward"]["stream_forward"][0] == 3 * 3 - 1  # the last block's end is the unfused fusion
+    assert full["backward"]["stream_backward"][0] == 3 * 3 - 1
+    unfused = costmodel.step_cost(tiny_config(layer_norm_with_affine=True), "post_pre", 2, 16, autocast=None)
+    for phase in ("forward", "backward"):
+        assert step["layer"][phase]["kernels"] < unfused["layer"][phase]["kernels"] / 2
+        assert step["layer"][phase]["bytes"] < unfused["layer"][phase]["bytes"]
+        assert step["layer"][phase]["matmul_flops"] == unfused["layer"][phase]["matmul_flops"]
+
+
+@pytest.mark.parametrize("change,words", [
+    ({"layer_norm_type": "default"}, "layer_norm_type: default"),
+    ({"bias_for_layer_norm": True}, "a norm bias"),
+    ({"norm_after": True}, "norm_after: true"),
+])
+def test_fused_streams_needs_rms_without_bias(change, words):
+    for model_type in ("pre", "hybrid_pre"):
+        with pytest.raises(Exception) as raised:
+            validate_model_config(tiny_config(fused_streams=True, **change), model_type)
+        message = str(raised.value)
+        assert "model.fused_streams" in message and words in message and "\n" not in message
+    validate_model_config(tiny_config(**change), "pre")  # without the flag, pre takes any of these
+
+
+def test_fused_blocks_compile_whole_and_match_eager():
+    """The fused ops are opaque to torch.compile (one custom op each way, with fake implementations): a fused block
+    compiles as one graph (fullgraph) around them and gives eager's logits and gradients."""
+    eager = _perturbed_pair("hybrid_pre", n_layers=2)[1]
+    compiled = copy.deepcopy(eager)
+    torch._dynamo.reset()
+    try:
+        assert compile_blocks(compiled, {"fullgraph": True, "mode": None}) == 2
+        ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
+        for model in (eager, compiled):
+            model(ids).logits.square().mean().backward()
+        for (name, p), q in zip(compiled.named_parameters(), eager.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
+    finally:
+        torch._dynamo.reset()
