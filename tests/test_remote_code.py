@@ -127,7 +127,7 @@ def test_the_exported_code_is_the_package_code_with_only_import_lines_changed(mo
         if name == "variant_table.py":
             continue
         source = (PACKAGE / "remote" / name if name in ("olmo_lite.py", "modeling_siamesenorm.py") else
-                  PACKAGE / "nn" / name if name == "topologies.py" else PACKAGE / "variants" / name)
+                  PACKAGE / "nn" / name if name in ("topologies.py", "fused.py") else PACKAGE / "variants" / name)
         original = source.read_text().splitlines()
         copied = text.splitlines()
         if copied[0].startswith("# Written by siamesenorm's export"):

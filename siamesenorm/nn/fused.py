@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import itertools
 import os
+import re
 from typing import List, Optional, Tuple
 
 import torch
@@ -323,9 +324,13 @@ def _use_triton(t: Tensor) -> bool:
 
 
 Opt = Optional[Tensor]
+#: The ops' namespace: ``siamesenorm`` in the package. An export carries a copy of this file (siamesenorm/remote/),
+#: which transformers loads as a module of its own, perhaps beside the package or another export's copy in one
+#: process; an op name registers once per process, so a copy registers under its own module's name.
+NAMESPACE = "siamesenorm" if __name__ == "siamesenorm.nn.fused" else "siamesenorm_" + re.sub(r"\W", "_", __name__)
 
 
-@torch.library.custom_op("siamesenorm::stream_forward", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::stream_forward", mutates_args=())
 def _stream_forward(x: Opt, y: Tensor, o: Opt, x_weight: Opt, y_weight: Opt, gamma: Opt, in_weight: Opt,
                     scale: float, x_norm: bool, in_norm: bool, has_h: bool,
                     eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -346,7 +351,7 @@ def _(x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has
             y.new_empty(y.shape) if has_x and x_norm else _empty(y))
 
 
-@torch.library.custom_op("siamesenorm::stream_backward", mutates_args=())
+@torch.library.custom_op(f"{NAMESPACE}::stream_backward", mutates_args=())
 def _stream_backward(xs: Tensor, y1: Tensor, dxa: Tensor, dy1: Tensor, dh: Tensor, x_weight: Opt, y_weight: Opt,
                      gamma: Opt, in_weight: Opt, scale: float, x_norm: bool, in_norm: bool, has_h: bool, has_o: bool,
                      has_x: bool, eps: float, x_dtype: torch.dtype, o_dtype: torch.dtype) -> List[Tensor]:
