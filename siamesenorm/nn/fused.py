@@ -112,7 +112,7 @@ if triton is not None:
     @triton.jit
     def _norm_backward(u, w, grad, d, eps, HAS_W: tl.constexpr):
         """(du, u_hat) for out = u_hat * w, u_hat = u * rstd(u), given d out = grad."""
-        r = 1.0 / tl.sqrt(tl.sum(u * u, axis=0) / d + eps)
+        r = _rstd(u, d, eps)
         u_hat = u * r
         g = grad * w if HAS_W else grad
         return r * (g - u_hat * (tl.sum(g * u_hat, axis=0) / d)), u_hat
@@ -148,13 +148,13 @@ if triton is not None:
                     xs = tl.load(XS + row * xs_stride + cols, mask=m, other=0.0).to(tl.float32)
                 xa = xs
                 if X_NORM:
-                    xa = xs * (1.0 / tl.sqrt(tl.sum(xs * xs, axis=0) / d + eps))
+                    xa = xs * _rstd(xs, d, eps)
                     if HAS_WX:
                         xa = xa * wx
             if HAS_H:
                 y1 = tl.load(Y1 + row * y1_stride + cols, mask=m, other=0.0).to(tl.float32)
                 dh = tl.load(DH + row * d + cols, mask=m, other=0.0).to(tl.float32)
-                y_hat = y1 * (1.0 / tl.sqrt(tl.sum(y1 * y1, axis=0) / d + eps))
+                y_hat = y1 * _rstd(y1, d, eps)
                 z = y_hat * wy if HAS_WY else y_hat
                 if HAS_X:
                     z = z + (xa * gm if HAS_G else xa)
@@ -269,7 +269,7 @@ def _torch_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h
     xa = _rms(xs, wx, eps) if has_x and x_norm else xs
     if has_h:
         y1, dh = y1.float(), dh.float()
-        y_hat = y1 * torch.rsqrt(y1.pow(2).mean(-1, keepdim=True) + eps)
+        y_hat = _rms(y1, None, eps)
         z = y_hat * wy if wy is not None else y_hat
         if has_x:
             z = z + (xa * gm if gm is not None else xa)
