@@ -23,7 +23,21 @@ ROOT = Path(__file__).resolve().parents[1]
 TRITON_TARGET = Path(sys.prefix) / "triton-interpreter"
 def test_torch_path_matches_autograd_of_the_reference():
     assert not fused.available(torch.zeros(1)), "this test is for the torch path (no CUDA, no TRITON_INTERPRET)"
-    assert fused.check() == []
+    seen = []
+    assert fused.check(seen=seen) == []
+    assert len(seen) == 298  # 256 two-stream + 32 one-stream + 2 stream_add + 8 head_norm
+
+
+def test_the_check_catches_a_wrong_head_norm_backward(monkeypatch):
+    """head_norm's backward without the weights in d qkv: every combination with weights must fail."""
+    original = fused._head_backward_impl
+
+    def wrong(qkv, dq, dk, dv, table, *args):
+        return original(qkv, dq, dk, dv, None, *args)[0], original(qkv, dq, dk, dv, table, *args)[1]
+
+    monkeypatch.setattr(fused, "_head_backward_impl", wrong)
+    bad = fused.check()
+    assert [b for b in bad if b.get("head_norm")] == [b for b in bad if b.get("affine")] and len(bad) == 4
 
 
 def test_the_check_catches_a_wrong_backward(monkeypatch):
@@ -65,9 +79,15 @@ def _perturbed_pair(model_type, **extra):
     return plain, fused_model
 
 
+#: fused ops per forward of the 3-layer tiny model: (stream_forward, head_norm_forward). pre: two per block;
+#: SiameseNorm: two, and the end of every block but the last; HybridNorm's attention: one head_norm per block.
+FUSED_OPS = {"pre": (6, 0), "hybrid_pre": (8, 3), "post_pre": (8, 0), "hybrid": (0, 3), "hybrid_star": (0, 3)}
+
+
 @pytest.mark.parametrize("model_type,extra", [
     ("pre", {}), ("hybrid_pre", {}), ("post_pre", {}), ("hybrid_pre", {"siamese_normalized_input": False}),
-    ("post_pre", {"siamese_depth_scaling": False}),
+    ("post_pre", {"siamese_depth_scaling": False}), ("hybrid", {}), ("hybrid_star", {}),
+    ("hybrid_pre", {"n_kv_heads": 2, "attention_layer_norm_with_affine": False}),
 ])
 def test_fused_model_matches_unfused(model_type, extra):
     plain, fused_model = _perturbed_pair(model_type, **extra)
@@ -86,8 +106,8 @@ def test_fused_model_matches_unfused(model_type, extra):
     # the fused blocks ran the fused ops (not the unfused code under another flag)
     with costmodel._Counter() as counter:
         fused_model(ids)
-    # pre: two per block; SiameseNorm: two, and the end of every block but the last
-    assert counter.cost.by_op["stream_forward"][0] == (6 if model_type == "pre" else 8)
+    ran = tuple(counter.cost.by_op.get(op, [0])[0] for op in ("stream_forward", "head_norm_forward"))
+    assert ran == FUSED_OPS[model_type]
 
 
 def test_after_addition_post_pre_ignores_the_flag_exactly():
@@ -141,3 +161,22 @@ def test_fused_blocks_compile_whole_and_match_eager():
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-4, atol=1e-6, msg=name)
     finally:
         torch._dynamo.reset()
+
+
+def test_head_norm_is_one_op_each_way_and_keeps_no_more_than_unfused():
+    """HybridNorm's Q/K/V norms fused: one op each way per block (not three norms of ~8 kernels), fewer bytes, and
+    autograd keeps no more than the unfused norms with recompute (q, k, v are separate tensors: attention keeps v
+    without the normalised q and k beside it)."""
+    fused_cfg = tiny_config(layer_norm_with_affine=True, fused_streams=True)
+    plain_cfg = tiny_config(layer_norm_with_affine=True)
+    step = costmodel.step_cost(fused_cfg, "hybrid", microbatch=2, seq_len=16, autocast=None)
+    assert step["by_op"]["forward"]["head_norm_forward"][0] == 3
+    assert step["by_op"]["backward"]["head_norm_backward"][0] == 3
+    unfused = costmodel.step_cost(plain_cfg, "hybrid", 2, 16, autocast=None)
+    for phase in ("forward", "backward"):
+        assert step["layer"][phase]["kernels"] < unfused["layer"][phase]["kernels"]
+        assert step["layer"][phase]["bytes"] < unfused["layer"][phase]["bytes"]
+    for model_type in ("hybrid", "hybrid_pre"):
+        kept = [costmodel._fake_saved_bytes(cfg, model_type, n_layers=3, microbatch=2, seq_len=16, recompute=True,
+                                            loss_chunk_tokens=None) for cfg in (plain_cfg, fused_cfg)]
+        assert kept[1] <= kept[0], (model_type, kept)

@@ -15,6 +15,11 @@ of a block: X + O * s and Y + O written side by side into the stacked state. Eag
 there is no LN^X), recomputes the norms from them, and writes dX, dY, dO with each weight's gradient summed over
 its rows by program and then over programs.
 
+``head_norm`` is HybridNorm's attention side (hybrid, hybrid_star, hybrid_pre): the per-head RMSNorms of q, k and
+v over the fused QKV projection's output, one kernel each way (read qkv once, write q, k and v as tensors of their
+own; backward keeps qkv and recomputes), with a weight per group (q's, k's, v's) where eager runs three norms of
+about eight kernels each.
+
 ``stream_input`` picks the Triton kernel for CUDA tensors when Triton is installed (or every device under
 ``TRITON_INTERPRET=1``, Triton's interpreter, which the tests use on CPU), and ``reference`` (plain torch, fp32
 inside, the same arithmetic) otherwise. ``check`` compares the op with autograd of ``reference`` for every flag
@@ -431,14 +436,187 @@ def stream_add(x: Tensor, y: Tensor, o: Tensor, *, scale: float = 1.0) -> Tensor
     return _stream_forward(x, y, o, None, None, None, None, float(scale), False, False, False, 1e-5)[0]
 
 
+# ---- HybridNorm's per-head Q/K/V norms in one pass over the attention projection's output ------------------------
+def head_reference(qkv: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], v_weight: Optional[Tensor],
+                   *, n_q: int, n_kv: int, head_dim: int, eps: float = 1e-5) -> Tuple[Tensor, Tensor, Tensor]:
+    """``qkv`` (..., (n_q + 2 n_kv) head_dim), the fused projection's output: every head of every token RMS-normalised
+    over head_dim and scaled by its group's weight (the first n_q heads q's, then n_kv k's, then n_kv v's), fp32
+    inside; (q, k, v) in qkv's dtype."""
+    heads = qkv.float().unflatten(-1, (n_q + 2 * n_kv, head_dim))
+    out = _rms(heads, _head_table(q_weight, k_weight, v_weight, n_q, n_kv), eps).flatten(-2).to(qkv.dtype)
+    return out.split([n_q * head_dim, n_kv * head_dim, n_kv * head_dim], -1)
+
+
+def _head_table(wq, wk, wv, n_q, n_kv) -> Optional[Tensor]:
+    """The weight of every head slot, (n_q + 2 n_kv, head_dim) fp32; None without weights (no affine)."""
+    if wq is None:
+        return None
+    return torch.cat([wq.float().expand(n_q, -1), wk.float().expand(n_kv, -1), wv.float().expand(n_kv, -1)])
+
+
+if triton is not None:
+
+    @triton.jit
+    def _head_forward_kernel(T, Q, K, V, W, t_stride, n_q, n_kv, hd, eps, HAS_W: tl.constexpr, SLOTS: tl.constexpr,
+                             BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        s = tl.arange(0, SLOTS)[:, None]
+        c = tl.arange(0, BLOCK)[None, :]
+        mask = (s < n_q + 2 * n_kv) & (c < hd)
+        u = tl.load(T + row * t_stride + s * hd + c, mask=mask, other=0.0).to(tl.float32)
+        out = u / tl.sqrt(tl.sum(u * u, axis=1) / hd + eps)[:, None]
+        if HAS_W:
+            out = out * tl.load(W + s * hd + c, mask=mask, other=0.0)
+        # q, k and v each to a tensor of its own (attention keeps v, and not the normalised q and k beside it)
+        tl.store(Q + row * n_q * hd + s * hd + c, out.to(Q.dtype.element_ty), mask=mask & (s < n_q))
+        tl.store(K + row * n_kv * hd + (s - n_q) * hd + c, out.to(K.dtype.element_ty),
+                 mask=mask & (s >= n_q) & (s < n_q + n_kv))
+        tl.store(V + row * n_kv * hd + (s - n_q - n_kv) * hd + c, out.to(V.dtype.element_ty),
+                 mask=mask & (s >= n_q + n_kv))
+
+    @triton.jit
+    def _head_backward_kernel(T, DQ, DK, DV, DT, W, PW, t_stride, rows, n_q, n_kv, hd, eps, HAS_W: tl.constexpr,
+                              ROWS_PER_PROGRAM: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        slots = n_q + 2 * n_kv
+        s = tl.arange(0, SLOTS)[:, None]
+        c = tl.arange(0, BLOCK)[None, :]
+        mask = (s < slots) & (c < hd)
+        w = tl.load(W + s * hd + c, mask=mask, other=0.0) if HAS_W else tl.zeros([SLOTS, BLOCK], tl.float32)
+        acc = tl.zeros([SLOTS, BLOCK], tl.float32)
+        for i in range(ROWS_PER_PROGRAM):
+            row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
+            m = mask & (row < rows)
+            u = tl.load(T + row * t_stride + s * hd + c, mask=m, other=0.0).to(tl.float32)
+            g = tl.load(DQ + row * n_q * hd + s * hd + c, mask=m & (s < n_q), other=0.0).to(tl.float32) \
+                + tl.load(DK + row * n_kv * hd + (s - n_q) * hd + c, mask=m & (s >= n_q) & (s < n_q + n_kv),
+                          other=0.0).to(tl.float32) \
+                + tl.load(DV + row * n_kv * hd + (s - n_q - n_kv) * hd + c, mask=m & (s >= n_q + n_kv),
+                          other=0.0).to(tl.float32)
+            r = (1.0 / tl.sqrt(tl.sum(u * u, axis=1) / hd + eps))[:, None]
+            u_hat = u * r
+            gw = g * w if HAS_W else g
+            du = r * (gw - u_hat * (tl.sum(gw * u_hat, axis=1) / hd)[:, None])
+            if HAS_W:
+                acc += g * u_hat
+            tl.store(DT + row * slots * hd + s * hd + c, du.to(DT.dtype.element_ty), mask=m)
+        if HAS_W:
+            tl.store(PW + pid * slots * hd + s * hd + c, acc, mask=mask)
+
+
+def _head_forward_impl(qkv, table, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Tensor, Tensor]:
+    if not _use_triton(qkv):
+        heads = qkv.float().unflatten(-1, (n_q + 2 * n_kv, head_dim))
+        out = _rms(heads, table, eps).flatten(-2).to(qkv.dtype)
+        return tuple(t.contiguous() for t in out.split([n_q * head_dim, n_kv * head_dim, n_kv * head_dim], -1))
+    rows_t, stride = _rows(qkv, (n_q + 2 * n_kv) * head_dim)
+    rows = rows_t.shape[0]
+    q = torch.empty((rows, n_q * head_dim), dtype=qkv.dtype, device=qkv.device)
+    k, v = (torch.empty((rows, n_kv * head_dim), dtype=qkv.dtype, device=qkv.device) for _ in range(2))
+    _head_forward_kernel[(rows,)](rows_t, q, k, v, table if table is not None else q, stride, n_q, n_kv, head_dim,
+                                  float(eps), HAS_W=table is not None, SLOTS=triton.next_power_of_2(n_q + 2 * n_kv),
+                                  BLOCK=triton.next_power_of_2(head_dim))
+    lead = qkv.shape[:-1]
+    return q.view(*lead, -1), k.view(*lead, -1), v.view(*lead, -1)
+
+
+def _head_backward_impl(qkv, dq, dk, dv, table, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Optional[Tensor]]:
+    """(d qkv fp32, d table) for (q, k, v) = per-head RMSNorm(qkv) * table."""
+    slots = n_q + 2 * n_kv
+    if not _use_triton(qkv):
+        u = qkv.float().unflatten(-1, (slots, head_dim))
+        g = torch.cat([dq.float(), dk.float(), dv.float()], -1).unflatten(-1, (slots, head_dim))
+        du, u_hat = _norm_backward_torch(u, table, g, eps)
+        dtable = (g * u_hat).reshape(-1, slots, head_dim).sum(0) if table is not None else None
+        return du.flatten(-2), dtable
+    rows_t, t_stride = _rows(qkv, slots * head_dim)
+    rows = rows_t.shape[0]
+    dq, dk, dv = (t.reshape(rows, -1).contiguous() for t in (dq, dk, dv))
+    dt = torch.empty((rows, slots * head_dim), dtype=torch.float32, device=qkv.device)
+    per = min(64, rows)
+    programs = triton.cdiv(rows, per)
+    partial = torch.empty((programs, slots, head_dim), dtype=torch.float32, device=qkv.device) \
+        if table is not None else dt
+    _head_backward_kernel[(programs,)](rows_t, dq, dk, dv, dt, table if table is not None else dt, partial, t_stride,
+                                       rows, n_q, n_kv, head_dim, float(eps), HAS_W=table is not None,
+                                       ROWS_PER_PROGRAM=per, SLOTS=triton.next_power_of_2(slots),
+                                       BLOCK=triton.next_power_of_2(head_dim))
+    return dt.view(qkv.shape), (partial.sum(0) if table is not None else None)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::head_norm_forward", mutates_args=())
+def _head_norm_forward(qkv: Tensor, q_weight: Opt, k_weight: Opt, v_weight: Opt, n_q: int, n_kv: int, head_dim: int,
+                       eps: float) -> Tuple[Tensor, Tensor, Tensor]:
+    table = _head_table(q_weight, k_weight, v_weight, n_q, n_kv)
+    return _head_forward_impl(qkv, table, n_q, n_kv, head_dim, eps)
+
+
+@_head_norm_forward.register_fake
+def _(qkv, q_weight, k_weight, v_weight, n_q, n_kv, head_dim, eps):
+    lead = qkv.shape[:-1]
+    return qkv.new_empty(*lead, n_q * head_dim), qkv.new_empty(*lead, n_kv * head_dim), \
+        qkv.new_empty(*lead, n_kv * head_dim)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::head_norm_backward", mutates_args=())
+def _head_norm_backward(qkv: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, q_weight: Opt, k_weight: Opt, v_weight: Opt,
+                        n_q: int, n_kv: int, head_dim: int, eps: float) -> List[Tensor]:
+    """(d qkv, d q_weight, d k_weight, d v_weight); the weights' empty without weights."""
+    weights = (q_weight, k_weight, v_weight)
+    dqkv, dtable = _head_backward_impl(qkv, dq, dk, dv, _head_table(*weights, n_q, n_kv), n_q, n_kv, head_dim, eps)
+    if dtable is None:
+        return [dqkv.to(qkv.dtype), _empty(qkv), _empty(qkv), _empty(qkv)]
+    grads = [part.sum(0) for part in dtable.split([n_q, n_kv, n_kv])]  # each slot's into its group's weight
+    return [dqkv.to(qkv.dtype)] + [g.to(w.dtype) for g, w in zip(grads, weights)]
+
+
+@_head_norm_backward.register_fake
+def _(qkv, dq, dk, dv, q_weight, k_weight, v_weight, n_q, n_kv, head_dim, eps):
+    weights = (q_weight, k_weight, v_weight)
+    return [qkv.new_empty(qkv.shape)] + [w.new_empty(w.shape) if w is not None else _empty(qkv) for w in weights]
+
+
+def _head_setup(ctx, inputs, output):
+    qkv, q_weight, k_weight, v_weight, n_q, n_kv, head_dim, eps = inputs
+    ctx.save_for_backward(qkv, q_weight, k_weight, v_weight)  # backward recomputes the norm from qkv
+    ctx.args = (n_q, n_kv, head_dim, eps)
+
+
+def _head_backward(ctx, dq, dk, dv):
+    qkv, *weights = ctx.saved_tensors
+    n_q, n_kv, head_dim, _ = ctx.args
+    lead = qkv.shape[:-1]
+    dq, dk, dv = (g if g is not None else qkv.new_zeros(*lead, n * head_dim) for g, n in ((dq, n_q), (dk, n_kv),
+                                                                                          (dv, n_kv)))
+    dqkv, *dw = _head_norm_backward(qkv, dq, dk, dv, *weights, *ctx.args)
+    return (dqkv, *(g if g.numel() else None for g in dw), None, None, None, None)
+
+
+_head_norm_forward.register_autograd(_head_backward, setup_context=_head_setup)
+
+
+def head_norm(qkv: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], v_weight: Optional[Tensor], *,
+              n_q: int, n_kv: int, head_dim: int, eps: float = 1e-5) -> Tuple[Tensor, Tensor, Tensor]:
+    """HybridNorm's per-head Q/K/V norms over the fused projection's output as one op each way
+    (``siamesenorm::head_norm_forward`` / ``_backward``): ``head_reference``'s arithmetic, (q, k, v) each a tensor
+    of its own; the weights all given or all None."""
+    if (q_weight is None) != (k_weight is None) or (q_weight is None) != (v_weight is None):
+        raise ValueError("head_norm takes the q, k and v weights all together or none of them")
+    return _head_norm_forward(qkv, q_weight, k_weight, v_weight, int(n_q), int(n_kv), int(head_dim), float(eps))
+
+
 # ---- the check the tests and the GPU check run ---------------------------------------------------------------------
-def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol: float = 2e-5) -> List[dict]:
+def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol: float = 2e-5,
+          seen: Optional[list] = None) -> List[dict]:
     """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32) and ``stream_add``, on separate
-    and stacked streams, forward and backward (a random projection of the outputs), against autograd of
-    ``reference``, fp64 inputs on ``device`` (fp32 inside both); returns the combinations that disagree. On CUDA
-    with Triton (or under ``TRITON_INTERPRET=1``) it checks the kernels, elsewhere the torch path."""
+    and stacked streams, and of ``head_norm`` (with and without weights, as many k/v heads as q heads and fewer,
+    contiguous and strided: 8), forward and backward (a random projection of the outputs), against autograd of
+    ``reference`` / ``head_reference``, fp64 inputs on ``device`` (fp32 inside both); returns the combinations that
+    disagree, and appends every combination it ran to ``seen`` (if given). On CUDA with Triton (or under
+    ``TRITON_INTERPRET=1``) it checks the kernels, elsewhere the torch path."""
     gen = torch.Generator().manual_seed(0)
     shape = (*rows, d)
+    seen = [] if seen is None else seen
 
     def randn(*size, grad=True):
         return torch.randn(*size, generator=gen, dtype=torch.float64).to(device).requires_grad_(grad)
@@ -478,13 +656,27 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
         kw = dict(scale=0.37, x_norm=x_norm, x_weight=weight(wx and x_norm), y_weight=weight(wy), gamma=weight(g),
                   in_norm=in_norm, in_weight=weight(win and in_norm))
         leaves = leaves + [t for t in (o, *kw.values()) if isinstance(t, Tensor)]
+        case = dict(two=two, has_o=has_o, x_norm=x_norm, wx=wx, wy=wy, g=g, in_norm=in_norm, win=win, stacked=stacked)
+        seen.append(case)
         if not agree(lambda: reference(x, y, o, **kw), lambda: stream_input(x, y, o, **kw), leaves, (d, d, d)):
-            bad.append(dict(two=two, has_o=has_o, x_norm=x_norm, wx=wx, wy=wy, g=g, in_norm=in_norm, win=win,
-                            stacked=stacked))
+            bad.append(case)
     for stacked in (False, True):
         leaves, x, y = streams(stacked)
         o = randn(*shape)
+        seen.append(dict(stream_add=True, stacked=stacked))
         if not agree(lambda: torch.cat([x + o * 0.37, y + o], -1), lambda: stream_add(x, y, o, scale=0.37),
                      leaves + [o], (2 * d,)):
             bad.append(dict(stream_add=True, stacked=stacked))
+    for affine, (n_q, n_kv), strided in itertools.product([True, False], [(3, 3), (4, 2)], [False, True]):
+        hd = 8
+        width = (n_q + 2 * n_kv) * hd
+        base = randn(*rows, width + 5 if strided else width)
+        qkv = base[..., 2:2 + width] if strided else base  # strided: rows read in place, width + 5 apart
+        ws = [(1 + 0.3 * randn(hd, grad=False)).requires_grad_() if affine else None for _ in range(3)]
+        kw = dict(n_q=n_q, n_kv=n_kv, head_dim=hd)
+        case = dict(head_norm=True, affine=affine, n_q=n_q, n_kv=n_kv, strided=strided)
+        seen.append(case)
+        if not agree(lambda: head_reference(qkv, *ws, **kw), lambda: head_norm(qkv, *ws, **kw),
+                     [base] + [w for w in ws if w is not None], (n_q * hd, n_kv * hd, n_kv * hd)):
+            bad.append(case)
     return bad

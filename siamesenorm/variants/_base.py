@@ -124,6 +124,9 @@ class TopologyBlock(StackedStreams, OLMoSequentialBlock):
         self.is_first = layer_id == 0
         self.is_last = layer_id == config.n_layers - 1
         self.recompute_cheap = bool(getattr(config, "recompute_cheap", RECOMPUTE_DEFAULT))
+        # model.fused_streams (RMS norms without bias, checked in validate_model_config): the ops of
+        # siamesenorm/nn/fused.py where a topology has them (the two-stream updates, the per-head Q/K/V norms)
+        self.fused_streams = bool(getattr(config, "fused_streams", False))
         self._captured: Optional[list] = None
 
     @classmethod
@@ -190,12 +193,16 @@ class TopologyBlock(StackedStreams, OLMoSequentialBlock):
         qkv = self.att_proj(h)
         if self.config.clip_qkv is not None:
             qkv = qkv.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)
-        q, k, v = qkv.split(self.fused_dims, dim=-1)
+        q, k, v = self.qkv_heads(qkv)
         att, cache = self.ckpt(self.attention, q, k, v, attention_bias, layer_past=layer_past, use_cache=use_cache,
                                max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens)
         if out_norm is not None:
             att = self.norm(out_norm, att)
         return self.dropout(att), cache
+
+    def qkv_heads(self, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v from the fused attention projection's output (views of it)."""
+        return qkv.split(self.fused_dims, dim=-1)
 
     def mlp_branch(self, h: torch.Tensor, out_norm: Optional[LayerNormBase] = None) -> torch.Tensor:
         """dropout(MLP(h)) with OLMo's ff_proj, activation and ff_out; ``out_norm`` (if given) before dropout."""
@@ -274,8 +281,6 @@ class TwoStreamBlock(TopologyBlock):
         if self.is_last:
             self.out_norm_x = self.new_norm()
             self.out_norm_y = self.new_norm()
-        # model.fused_streams (RMS norms without bias, checked in validate_model_config): siamesenorm/nn/fused.py
-        self.fused_streams = bool(getattr(config, "fused_streams", False))
 
     def end(self, xs: torch.Tensor, ys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The block's last update, X + O / c and Y + O, then ``finish``; fused: written straight into the stacked

@@ -6,6 +6,9 @@
     X_{i+1} = U + FFN(U)               the FFN input and its residual are the normalised U;
                                        the block output is not normalised
 
+With ``model.fused_streams`` the Q/K/V norms of every variant with HybridNorm's attention (hybrid, hybrid_star,
+hybrid_pre) run as one op over the attention projection's output (siamesenorm/nn/fused.py ``head_norm``).
+
 Reference: the HybridNorm OLMo 1.2B config (see docs/architecture.md).
 """
 
@@ -13,6 +16,7 @@ from __future__ import annotations
 
 import torch
 
+from ..nn.fused import head_norm
 from ..nn.topologies import hybrid_norm_update
 from ._base import TopologyBlock
 from .spec import Variant, fail
@@ -37,10 +41,21 @@ class QKVHeadNormAttention(TopologyBlock):
         self.k_head_norm = self.new_norm(self.head_dim, elementwise_affine=affine)
         self.v_head_norm = self.new_norm(self.head_dim, elementwise_affine=affine)
 
+    def qkv_heads(self, qkv):
+        """With ``model.fused_streams``, the three per-head norms as one op over the projection's output (one pass
+        each way, siamesenorm/nn/fused.py ``head_norm``; q, k, v each a tensor of its own); ``attention`` then
+        leaves them as they come."""
+        if self.fused_streams:
+            weights = (self.weight(n) for n in (self.q_head_norm, self.k_head_norm, self.v_head_norm))
+            return head_norm(qkv, *weights, n_q=self.config.n_heads, n_kv=self.config.effective_n_kv_heads,
+                             head_dim=self.head_dim, eps=self.config.layer_norm_eps)
+        return super().qkv_heads(qkv)
+
     def attention(self, q, k, v, *args, **kwargs):
-        q = self.norm(lambda t: _per_head(self.q_head_norm, t, self.head_dim), q)
-        k = self.norm(lambda t: _per_head(self.k_head_norm, t, self.head_dim), k)
-        v = self.norm(lambda t: _per_head(self.v_head_norm, t, self.head_dim), v)
+        if not self.fused_streams:
+            q = self.norm(lambda t: _per_head(self.q_head_norm, t, self.head_dim), q)
+            k = self.norm(lambda t: _per_head(self.k_head_norm, t, self.head_dim), k)
+            v = self.norm(lambda t: _per_head(self.v_head_norm, t, self.head_dim), v)
         return super().attention(q, k, v, *args, **kwargs)  # RoPE is applied in there, after our norms
 
 
