@@ -57,8 +57,9 @@ def main(argv=None) -> int:
                         "(default: the recipe's)")
     parser.add_argument("--fused", choices=["on", "off"], default=None,
                         help="model.fused_streams on or off (pre, hybrid_pre and post_pre: each residual add and the "
-                        "norms after it as one op each way, siamesenorm/nn/fused.py) for the timing, --breakdown and "
-                        "--cost-model (default: the recipe's)")
+                        "norms after it as one op each way; hybrid, hybrid_star, hybrid_pre: the Q/K/V head norms as "
+                        "one op; siamesenorm/nn/fused.py) for the timing, --breakdown and --cost-model (default: the "
+                        "recipe's)")
     parser.add_argument("--gpus", type=int, default=8, help="--memory-model: GPUs the state is sharded over (8)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None,
                         help="--memory-model: with the chunked loss (the config's loss_chunk_tokens)")
