@@ -208,8 +208,8 @@ def to_markdown(result: Dict, command: str) -> str:
     fz = result.get("fused")
     if fz:
         lines += ["", f"Fused ops (model.fused_streams) on {fz['device']}, {fz['kernels']} path: "
-                  f"{fz['mismatches']} of {fz['combinations']} flag combinations disagree with the reference, forward and backward "
-                  f"({fz['seconds']:.0f} s)."]
+                  f"{fz['mismatches']} of {fz['combinations']} flag combinations disagree with the reference, "
+                  f"forward and backward ({fz['seconds']:.0f} s)."]
     lines += ["", "## Training", "", "| MODEL_TYPE | exit | first loss | last loss | tokens/s (median, second half) "
               "| wall s |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for mt, r in result.get("runs", {}).items():
