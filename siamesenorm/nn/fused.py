@@ -442,8 +442,12 @@ def head_reference(qkv: Tensor, q_weight: Optional[Tensor], k_weight: Optional[T
     """``qkv`` (..., (n_q + 2 n_kv) head_dim), the fused projection's output: every head of every token RMS-normalised
     over head_dim and scaled by its group's weight (the first n_q heads q's, then n_kv k's, then n_kv v's), fp32
     inside; (q, k, v) in qkv's dtype."""
-    heads = qkv.float().unflatten(-1, (n_q + 2 * n_kv, head_dim))
-    out = _rms(heads, _head_table(q_weight, k_weight, v_weight, n_q, n_kv), eps).flatten(-2).to(qkv.dtype)
+    return _head_rms(qkv, _head_table(q_weight, k_weight, v_weight, n_q, n_kv), n_q, n_kv, head_dim, eps)
+
+
+def _head_rms(qkv, table, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Tensor, Tensor]:
+    """The per-head RMSNorm with a per-slot weight table, in plain torch: (q, k, v), views of one tensor."""
+    out = _rms(qkv.float().unflatten(-1, (n_q + 2 * n_kv, head_dim)), table, eps).flatten(-2).to(qkv.dtype)
     return out.split([n_q * head_dim, n_kv * head_dim, n_kv * head_dim], -1)
 
 
@@ -505,10 +509,8 @@ if triton is not None:
 
 
 def _head_forward_impl(qkv, table, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Tensor, Tensor]:
-    if not _use_triton(qkv):
-        heads = qkv.float().unflatten(-1, (n_q + 2 * n_kv, head_dim))
-        out = _rms(heads, table, eps).flatten(-2).to(qkv.dtype)
-        return tuple(t.contiguous() for t in out.split([n_q * head_dim, n_kv * head_dim, n_kv * head_dim], -1))
+    if not _use_triton(qkv):  # each its own tensor, as the kernel writes them
+        return tuple(t.contiguous() for t in _head_rms(qkv, table, n_q, n_kv, head_dim, eps))
     rows_t, stride = _rows(qkv, (n_q + 2 * n_kv) * head_dim)
     rows = rows_t.shape[0]
     q = torch.empty((rows, n_q * head_dim), dtype=qkv.dtype, device=qkv.device)
