@@ -20,6 +20,9 @@ v over the fused QKV projection's output, one kernel each way (read qkv once, wr
 own; backward keeps qkv and recomputes), with a weight per group (q's, k's, v's) where eager runs three norms of
 about eight kernels each.
 
+``sinkhorn`` is mHC's Sinkhorn-Knopp (``sinkhorn_reference``, the core's eager one): a token's 2 x iterations
+normalisations in one kernel each way; backward keeps only the logits and replays the iterations in registers.
+
 ``stream_input`` picks the Triton kernel for CUDA tensors when Triton is installed (or every device under
 ``TRITON_INTERPRET=1``, Triton's interpreter, which the tests use on CPU), and ``reference`` (plain torch, fp32
 inside, the same arithmetic) otherwise. ``check`` compares the op with autograd of ``reference`` for every flag
@@ -607,13 +610,172 @@ def head_norm(qkv: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor
     return _head_norm_forward(qkv, q_weight, k_weight, v_weight, int(n_q), int(n_kv), int(head_dim), float(eps))
 
 
+# ---- mHC's Sinkhorn-Knopp iterations in one kernel each way -----------------------------------------------------
+def sinkhorn_reference(logits: Tensor, iterations: int, order: str = "columns_first") -> Tensor:
+    """A doubly stochastic matrix from (..., n, n) logits: Sinkhorn-Knopp on exp(logits), log domain, fp32 (mHC's
+    eager Sinkhorn, siamesenorm.nn.sinkhorn; autograd keeps every iterate).
+
+    "columns_first" (the mHC paper's T_r(T_c(M)) per iteration): columns are normalised, then rows, so rows sum
+    to 1 exactly and columns to within the iteration's tolerance. "rows_first" is the transpose of that order
+    (columns end exact)."""
+    first, second = (-2, -1) if order == "columns_first" else (-1, -2)
+    log_p = logits.float()
+    for _ in range(iterations):
+        log_p = log_p - log_p.logsumexp(dim=first, keepdim=True)
+        log_p = log_p - log_p.logsumexp(dim=second, keepdim=True)
+    return log_p.exp()
+
+
+def _sinkhorn_axes(columns_first: bool) -> Tuple[int, int]:
+    """The dims normalised first and second in an iteration (siamesenorm.nn.sinkhorn's order)."""
+    return (-2, -1) if columns_first else (-1, -2)
+
+
+def _sinkhorn_steps(logits: Tensor, iterations: int, columns_first: bool) -> List[Tensor]:
+    """Every half-step's iterate y_0 = logits (fp32), y_t = y_(t-1) - logsumexp(y_(t-1)) over the t-th dim."""
+    axes = _sinkhorn_axes(columns_first)
+    ys = [logits.float()]
+    for t in range(2 * iterations):
+        ys.append(ys[-1] - ys[-1].logsumexp(dim=axes[t % 2], keepdim=True))
+    return ys
+
+
+def _sinkhorn_grad(ys: List[Tensor], dp: Tensor, columns_first: bool) -> Tensor:
+    """d logits from d P through the recorded iterates: d y_last = dP * P, then back through each half-step,
+    d y_(t-1) = d y_t - exp(y_t) * sum(d y_t) over the dim that step normalised (softmax's Jacobian)."""
+    axes = _sinkhorn_axes(columns_first)
+    p = ys[-1].exp()
+    dy = dp.float() * p
+    for t in range(len(ys) - 1, 0, -1):
+        dy = dy - ys[t].exp() * dy.sum(dim=axes[(t - 1) % 2], keepdim=True)
+    return dy
+
+
+if triton is not None:
+
+    @triton.jit
+    def _sinkhorn_half(y, valid, step, COLUMNS_FIRST: tl.constexpr):
+        """One half-step on a (tokens, n, n) block: columns (axis 1) on even steps when COLUMNS_FIRST, else rows."""
+        if (step % 2 == 0) == COLUMNS_FIRST:
+            m = tl.max(y, axis=1)
+            y = y - (m + tl.log(tl.sum(tl.exp(y - m[:, None, :]), axis=1)))[:, None, :]
+        else:
+            m = tl.max(y, axis=2)
+            y = y - (m + tl.log(tl.sum(tl.exp(y - m[:, :, None]), axis=2)))[:, :, None]
+        return tl.where(valid, y, -1.0e30)  # padding (n not a power of 2) stays out of every sum
+
+    @triton.jit
+    def _sinkhorn_load(L, tokens, n, BLOCK_T: tl.constexpr, N: tl.constexpr):
+        tok = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)[:, None, None]
+        i = tl.arange(0, N)[None, :, None]
+        j = tl.arange(0, N)[None, None, :]
+        valid = (tok < tokens) & (i < n) & (j < n)
+        offs = tok * n * n + i * n + j
+        return tl.load(L + offs, mask=valid, other=-1.0e30).to(tl.float32), valid, offs
+
+    @triton.jit
+    def _sinkhorn_forward_kernel(L, P, tokens, n, steps, COLUMNS_FIRST: tl.constexpr, BLOCK_T: tl.constexpr,
+                                 N: tl.constexpr):
+        y, valid, offs = _sinkhorn_load(L, tokens, n, BLOCK_T, N)
+        for step in range(steps):
+            y = _sinkhorn_half(y, valid, step, COLUMNS_FIRST)
+        tl.store(P + offs, tl.exp(y), mask=valid)
+
+    @triton.jit
+    def _sinkhorn_backward_kernel(L, DP, DL, tokens, n, steps, COLUMNS_FIRST: tl.constexpr, BLOCK_T: tl.constexpr,
+                                  N: tl.constexpr):
+        """Back through the half-steps from the last; each step's iterate is replayed from the logits in registers
+        (steps (steps + 1) / 2 half-steps: compute, no memory traffic beyond logits, dP and d logits)."""
+        y0, valid, offs = _sinkhorn_load(L, tokens, n, BLOCK_T, N)
+        dy = tl.load(DP + offs, mask=valid, other=0.0).to(tl.float32)
+        for back in range(steps):
+            t = steps - back  # the iterate y_t, then the gradient through half-step t
+            y = y0
+            for step in range(t):
+                y = _sinkhorn_half(y, valid, step, COLUMNS_FIRST)
+            e = tl.where(valid, tl.exp(y), 0.0)
+            if back == 0:
+                dy = dy * e  # d y_last = dP * P
+            if ((t - 1) % 2 == 0) == COLUMNS_FIRST:
+                dy = dy - e * tl.sum(dy, axis=1)[:, None, :]
+            else:
+                dy = dy - e * tl.sum(dy, axis=2)[:, :, None]
+        tl.store(DL + offs, dy, mask=valid)
+
+
+_SINKHORN_BLOCK_T = 64  # tokens a program
+
+
+def _sinkhorn_launch(kernel, logits: Tensor, *tensors: Tensor, iterations: int, columns_first: bool) -> None:
+    n = logits.shape[-1]
+    tokens = logits.numel() // (n * n)
+    kernel[(triton.cdiv(tokens, _SINKHORN_BLOCK_T),)](logits, *tensors, tokens, n, 2 * iterations,
+                                                     COLUMNS_FIRST=bool(columns_first), BLOCK_T=_SINKHORN_BLOCK_T,
+                                                     N=triton.next_power_of_2(n))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::sinkhorn_forward", mutates_args=())
+def _sinkhorn_forward(logits: Tensor, iterations: int, columns_first: bool) -> Tensor:
+    logits = logits.float().contiguous()
+    if not _use_triton(logits):
+        return _sinkhorn_steps(logits, iterations, columns_first)[-1].exp()
+    p = torch.empty_like(logits)
+    _sinkhorn_launch(_sinkhorn_forward_kernel, logits, p, iterations=iterations, columns_first=columns_first)
+    return p
+
+
+@_sinkhorn_forward.register_fake
+def _(logits, iterations, columns_first):
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::sinkhorn_backward", mutates_args=())
+def _sinkhorn_backward(logits: Tensor, dp: Tensor, iterations: int, columns_first: bool) -> Tensor:
+    logits, dp = logits.float().contiguous(), dp.float().contiguous()
+    if not _use_triton(logits):
+        return _sinkhorn_grad(_sinkhorn_steps(logits, iterations, columns_first), dp, columns_first)
+    dl = torch.empty_like(logits)
+    _sinkhorn_launch(_sinkhorn_backward_kernel, logits, dp, dl, iterations=iterations, columns_first=columns_first)
+    return dl
+
+
+@_sinkhorn_backward.register_fake
+def _(logits, dp, iterations, columns_first):
+    return logits.new_empty(logits.shape, dtype=torch.float32)
+
+
+def _sinkhorn_setup(ctx, inputs, output):
+    logits, iterations, columns_first = inputs
+    ctx.save_for_backward(logits)  # backward replays the iterations: nothing of them is kept
+    ctx.args = (iterations, columns_first, logits.dtype)
+
+
+def _sinkhorn_backward_autograd(ctx, dp):
+    (logits,) = ctx.saved_tensors
+    iterations, columns_first, dtype = ctx.args
+    return _sinkhorn_backward(logits, dp, iterations, columns_first).to(dtype), None, None
+
+
+_sinkhorn_forward.register_autograd(_sinkhorn_backward_autograd, setup_context=_sinkhorn_setup)
+
+
+def sinkhorn(logits: Tensor, iterations: int, columns_first: bool = True) -> Tensor:
+    """mHC's Sinkhorn-Knopp (siamesenorm.nn.sinkhorn's arithmetic: log domain, fp32) as one op each way
+    (``siamesenorm::sinkhorn_forward`` / ``_backward``): (..., n, n) logits -> a doubly stochastic (..., n, n),
+    fp32. Eager runs each of the 2 x ``iterations`` normalisations as several kernels and keeps every iterate
+    for backward; the kernel keeps the whole iteration of a token in registers and backward keeps only the
+    logits, replaying the iterations from them."""
+    return _sinkhorn_forward(logits, int(iterations), bool(columns_first))
+
+
 # ---- the check the tests and the GPU check run ---------------------------------------------------------------------
 def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol: float = 2e-5,
           seen: Optional[list] = None) -> List[dict]:
     """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32) and ``stream_add``, on separate
-    and stacked streams, and of ``head_norm`` (with and without weights, as many k/v heads as q heads and fewer,
-    contiguous and strided: 8), forward and backward (a random projection of the outputs), against autograd of
-    ``reference`` / ``head_reference``, fp64 inputs on ``device`` (fp32 inside both); returns the combinations that
+    and stacked streams, of ``head_norm`` (with and without weights, as many k/v heads as q heads and fewer,
+    contiguous and strided: 8) and of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8), forward
+    and backward (a random projection of the outputs), against autograd of ``reference`` / ``head_reference`` /
+    siamesenorm.nn.sinkhorn, fp64 inputs on ``device`` (fp32 inside all); returns the combinations that
     disagree, and appends every combination it ran to ``seen`` (if given). On CUDA with Triton (or under
     ``TRITON_INTERPRET=1``) it checks the kernels, elsewhere the torch path."""
     gen = torch.Generator().manual_seed(0)
@@ -680,5 +842,13 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
         seen.append(case)
         if not agree(lambda: head_reference(qkv, *ws, **kw), lambda: head_norm(qkv, *ws, **kw),
                      [base] + [w for w in ws if w is not None], (n_q * hd, n_kv * hd, n_kv * hd)):
+            bad.append(case)
+    for n, columns_first, iterations in itertools.product([4, 3], [True, False], [1, 20]):
+        logits = (2 * randn(*rows, n * n, grad=False)).unflatten(-1, (n, n)).requires_grad_()  # far from uniform
+        order = "columns_first" if columns_first else "rows_first"
+        case = dict(sinkhorn=True, n=n, order=order, iterations=iterations)
+        seen.append(case)
+        if not agree(lambda: sinkhorn_reference(logits, iterations, order).flatten(-2),
+                     lambda: sinkhorn(logits, iterations, columns_first).flatten(-2), [logits], (n * n,)):
             bad.append(case)
     return bad

@@ -21,6 +21,9 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
+from .fused import sinkhorn as fused_sinkhorn
+from .fused import sinkhorn_reference as sinkhorn
+
 __all__ = ["PreNorm", "PostNorm", "HybridNorm", "SiameseNorm", "SiameseFusion", "HyperConnection",
            "HyperConnections", "ManifoldHyperConnection", "ManifoldHyperConnections", "post_norm_update",
            "hybrid_norm_update", "siamese_input", "siamese_update", "siamese_hybrid_attention", "depth_divisor", "sinkhorn",
@@ -424,20 +427,6 @@ class HyperConnections(HyperConnection):
         return depth_connection(carried, beta, self.branch(inp))
 
 
-def sinkhorn(logits: torch.Tensor, iterations: int, order: str = "columns_first") -> torch.Tensor:
-    """A doubly stochastic matrix from (..., n, n) logits: Sinkhorn-Knopp on exp(logits), log domain, fp32.
-
-    "columns_first" (the mHC paper's T_r(T_c(M)) per iteration): columns are normalised, then rows, so rows sum
-    to 1 exactly and columns to within the iteration's tolerance. "rows_first" is the transpose of that order
-    (columns end exact)."""
-    first, second = (-2, -1) if order == "columns_first" else (-1, -2)
-    log_p = logits.float()
-    for _ in range(iterations):
-        log_p = log_p - log_p.logsumexp(dim=first, keepdim=True)
-        log_p = log_p - log_p.logsumexp(dim=second, keepdim=True)
-    return log_p.exp()
-
-
 class ManifoldHyperConnection(nn.Module):
     """The width connection of mHC (Xie et al., arXiv 2512.24880, eqs. 7-9) around one sublayer, n streams
     H (B, ..., n, d); per token, with h~ = norm(flatten(H)) of size n*d:
@@ -447,15 +436,23 @@ class ManifoldHyperConnection(nn.Module):
         input  = sum_s H_pre[s] h_s;   h_j <- sum_s H_res[j, s] h_s + H_post[j] * F(input)
 
     Init (docs/fidelity.md): P = N(0, 1/(n d)), gates 0.01, b_pre = logit(1/n), b_post = 0, b_res = 0 (H_res uniform).
+
+    ``fused`` (``model.fused_streams``; the norm an RMSNorm without bias): the same coefficients in fewer passes, as
+    the mHC paper's kernels compute them: h~ P = (flatten(H) @ (w P)) * rstd, the norm's division after the product
+    (so the normalised (n d)-wide copy is never written; fp32 throughout, where OLMo's norm rounds h~ to the streams'
+    dtype before its scale), and Sinkhorn as one op each way (siamesenorm/nn/fused.py ``sinkhorn``).
     """
 
     def __init__(self, n: int, dim: int, norm: NormFactory = nn.LayerNorm, iterations: int = 20,
-                 order: str = "columns_first", gate_init: float = 0.01, device=None):
+                 order: str = "columns_first", gate_init: float = 0.01, device=None, fused: bool = False):
         super().__init__()
         if order not in SINKHORN_ORDERS:
             raise ValueError(f"Sinkhorn order {order!r} is unknown; use one of: {', '.join(SINKHORN_ORDERS)}.")
         self.n, self.iterations, self.order, self.gate_init = n, iterations, order, gate_init
         self.norm = norm(n * dim)
+        if fused and (isinstance(self.norm, nn.LayerNorm) or getattr(self.norm, "bias", None) is not None):
+            raise ValueError("the fused mHC connection needs an RMSNorm without bias as its norm")
+        self.fused = fused
         self.proj = nn.Parameter(torch.empty(n * dim, n * n + 2 * n, device=device))  # P_pre | P_post | P_res
         self.gates = nn.Parameter(torch.empty(3, device=device))  # a_pre, a_post, a_res
         self.bias_pre = nn.Parameter(torch.empty(n, device=device))
@@ -477,13 +474,23 @@ class ManifoldHyperConnection(nn.Module):
         """h: (..., n, d) -> H_pre (..., n), H_post (..., n), H_res (..., n, n); all fp32."""
         n = self.n
         with torch.autocast(device_type=h.device.type, enabled=False):
-            logits = self.norm(h.flatten(-2)).float() @ self.proj.float()
+            logits = self._fused_logits(h.flatten(-2)) if self.fused \
+                else self.norm(h.flatten(-2)).float() @ self.proj.float()
             g = self.gates.float()
             pre = torch.sigmoid(g[0] * logits[..., :n] + self.bias_pre.float())
             post = 2.0 * torch.sigmoid(g[1] * logits[..., n : 2 * n] + self.bias_post.float())
-            res = sinkhorn(g[2] * logits[..., 2 * n :].unflatten(-1, (n, n)) + self.bias_res.float(),
-                           self.iterations, self.order)
+            res_logits = g[2] * logits[..., 2 * n :].unflatten(-1, (n, n)) + self.bias_res.float()
+            res = fused_sinkhorn(res_logits, self.iterations, self.order == "columns_first") if self.fused \
+                else sinkhorn(res_logits, self.iterations, self.order)
         return pre, post, res
+
+    def _fused_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """RMSNorm(x) @ P as (x @ (w P)) * rstd(x), fp32: one reduction over x, then the product."""
+        weight, eps = getattr(self.norm, "weight", None), getattr(self.norm, "eps", None)
+        eps = torch.finfo(torch.float32).eps if eps is None else eps  # nn.RMSNorm's default
+        proj = self.proj.float() if weight is None else weight.float()[:, None] * self.proj.float()
+        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+        return (x.float() @ proj) * torch.rsqrt(norm.square() / x.shape[-1] + eps)
 
     def width(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> branch input (..., d), mixed streams H_res H (..., n, d), H_post (..., n), in h's dtype."""
@@ -498,8 +505,8 @@ class ManifoldHyperConnections(ManifoldHyperConnection):
     ``reduce`` is the mean of the streams."""
 
     def __init__(self, n: int, dim: int, branch: Branch, norm: NormFactory = nn.LayerNorm, iterations: int = 20,
-                 order: str = "columns_first", gate_init: float = 0.01):
-        super().__init__(n, dim, norm=norm, iterations=iterations, order=order, gate_init=gate_init)
+                 order: str = "columns_first", gate_init: float = 0.01, fused: bool = False):
+        super().__init__(n, dim, norm=norm, iterations=iterations, order=order, gate_init=gate_init, fused=fused)
         self.branch = _branch_module(branch)
 
     expand = staticmethod(lambda x, n: expand_streams(x, n))

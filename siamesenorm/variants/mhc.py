@@ -21,6 +21,8 @@ Choices where implementations disagree (documented in docs/architecture.md):
     near-identity because Sinkhorn converges slowly near a permutation matrix: from a 0.95-diagonal start,
     20 iterations left column sums 1.8e-3 off 1, from the uniform start 2.4e-7 (scripts/sinkhorn_convergence.py);
   * the factor 2 on H_post is kept (so that the init above gives 1);
+  * ``model.fused_streams``: Sinkhorn as one op each way and the norm's division after the product
+    (siamesenorm/nn/fused.py ``sinkhorn``; ManifoldHyperConnection's docstring);
   * output: the mean of the n streams (at init all streams are equal, so the model starts as Pre-Norm);
     OLMo's ``ln_f`` follows. Block 0 copies the embedding into every stream.
 """
@@ -42,7 +44,7 @@ class ManifoldHyperConnectionBlock(ConnectedStreamsBlock):
         super().__init__(layer_id, config, cache)
         args = dict(n=self.n_streams, dim=config.d_model, norm=lambda size: self.new_norm(size),
                     iterations=knob(config, "mhc_sinkhorn_iterations"), order=knob(config, "mhc_sinkhorn_order"),
-                    device=config.init_device)
+                    device=config.init_device, fused=self.fused_streams)
         self.attn_mhc = ManifoldHyperConnection(**args)
         self.ff_mhc = ManifoldHyperConnection(**args)
 
