@@ -717,8 +717,8 @@ def _sinkhorn_launch(kernel, logits: Tensor, *tensors: Tensor, iterations: int, 
 @torch.library.custom_op(f"{NAMESPACE}::sinkhorn_forward", mutates_args=())
 def _sinkhorn_forward(logits: Tensor, iterations: int, columns_first: bool) -> Tensor:
     logits = logits.float().contiguous()
-    if not _use_triton(logits):
-        return _sinkhorn_steps(logits, iterations, columns_first)[-1].exp()
+    if not _use_triton(logits):  # no autograd inside the op: the reference keeps no iterates here
+        return sinkhorn_reference(logits, iterations, "columns_first" if columns_first else "rows_first")
     p = torch.empty_like(logits)
     _sinkhorn_launch(_sinkhorn_forward_kernel, logits, p, iterations=iterations, columns_first=columns_first)
     return p
