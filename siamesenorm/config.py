@@ -61,7 +61,8 @@ _MODEL_TYPE_DOC = "One of MODEL_TYPES. The MODEL_TYPE environment variable overr
 _FUSED_DOC = ("Each residual add and the norms after it as one op each way (siamesenorm/nn/fused.py: a Triton "
               "kernel on CUDA, the same arithmetic in torch elsewhere): hybrid_pre, post_pre (LN^X before the "
               "sublayer) and, for a fair comparison, pre; HybridNorm's per-head Q/K/V norms as one op (hybrid, "
-              "hybrid_star, hybrid_pre); needs RMS norms without bias; other variants ignore it.")
+              "hybrid_star, hybrid_pre); mhc's Sinkhorn as one op; hc's and mhc's stream mixing with the depth "
+              "connection as one op; needs RMS norms without bias; other variants ignore it.")
 _RECOMPUTE_DOC = ("Recompute every block's norms (pre's too) and hc/mhc's stream mixing in backward instead of saving "
                   "their intermediates: less activation memory, the norms run twice (exact either way).")
 SiameseModelConfig = dataclasses.make_dataclass(

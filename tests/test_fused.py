@@ -25,7 +25,7 @@ def test_torch_path_matches_autograd_of_the_reference():
     assert not fused.available(torch.zeros(1)), "this test is for the torch path (no CUDA, no TRITON_INTERPRET)"
     seen = []
     assert fused.check(seen=seen) == []
-    assert len(seen) == 306  # 256 two-stream + 32 one-stream + 2 stream_add + 8 head_norm + 8 sinkhorn
+    assert len(seen) == 312  # 256 two-stream + 32 one-stream + 2 stream_add + 8 head_norm + 8 sinkhorn + 6 mix
 
 
 def test_the_check_catches_a_wrong_head_norm_backward(monkeypatch):
@@ -79,18 +79,20 @@ def _perturbed_pair(model_type, **extra):
     return plain, fused_model
 
 
-#: fused ops per forward of the 3-layer tiny model: (stream_forward, head_norm_forward, sinkhorn_forward). pre: two
-#: per block; SiameseNorm: two, and the end of every block but the last; HybridNorm's attention: one head_norm per
-#: block; mhc: one Sinkhorn per connection, two per block.
-FUSED_OPS = {"pre": (6, 0, 0), "hybrid_pre": (8, 3, 0), "post_pre": (8, 0, 0), "hybrid": (0, 3, 0),
-             "hybrid_star": (0, 3, 0), "mhc": (0, 0, 6)}
+#: fused ops per forward of the 3-layer tiny model: (stream_forward, head_norm_forward, sinkhorn_forward,
+#: stream_mix_forward). pre: two per block; SiameseNorm: two, and the end of every block but the last; HybridNorm's
+#: attention: one head_norm per block; hc and mhc: per connection (two a block) the branch's Pre-Norm as one
+#: stream op and one stream mix, and for mhc one Sinkhorn.
+FUSED_OPS = {"pre": (6, 0, 0, 0), "hybrid_pre": (8, 3, 0, 0), "post_pre": (8, 0, 0, 0), "hybrid": (0, 3, 0, 0),
+             "hybrid_star": (0, 3, 0, 0), "mhc": (6, 0, 6, 6), "hc": (6, 0, 0, 6)}
 
 
 @pytest.mark.parametrize("model_type,extra", [
     ("pre", {}), ("hybrid_pre", {}), ("post_pre", {}), ("hybrid_pre", {"siamese_normalized_input": False}),
     ("post_pre", {"siamese_depth_scaling": False}), ("hybrid", {}), ("hybrid_star", {}),
     ("hybrid_pre", {"n_kv_heads": 2, "attention_layer_norm_with_affine": False}), ("mhc", {}),
-    ("mhc", {"mhc_expansion_rate": 3, "mhc_sinkhorn_order": "rows_first"}),
+    ("mhc", {"mhc_expansion_rate": 3, "mhc_sinkhorn_order": "rows_first"}), ("hc", {}),
+    ("hc", {"hc_expansion_rate": 3}),
 ])
 def test_fused_model_matches_unfused(model_type, extra):
     plain, fused_model = _perturbed_pair(model_type, **extra)
@@ -113,7 +115,7 @@ def test_fused_model_matches_unfused(model_type, extra):
     with costmodel._Counter() as counter:
         fused_model(ids)
     ran = tuple(counter.cost.by_op.get(op, [0])[0] for op in ("stream_forward", "head_norm_forward",
-                                                               "sinkhorn_forward"))
+                                                               "sinkhorn_forward", "stream_mix_forward"))
     assert ran == FUSED_OPS[model_type]
 
 
@@ -190,23 +192,65 @@ def test_head_norm_is_one_op_each_way_and_keeps_no_more_than_unfused():
 
 
 def test_fused_mhc_is_fewer_kernels_and_bytes_and_keeps_less():
-    """mhc fused: Sinkhorn one op each way per connection (2 a block), its norm's division after the product; a
-    middle block launches under a third of the kernels, moves fewer bytes, computes the same matmul FLOPs (the
-    product is the same shape, only the norm moved), and autograd keeps less (Sinkhorn keeps only its logits, not 40 iterates)."""
+    """mhc fused: Sinkhorn one op each way per connection (2 a block), its norm's division after the product, the
+    mixing with the depth connection one op; a middle block launches under a third of the kernels, moves fewer
+    bytes, computes the same matmul FLOPs less exactly the mixing's (2 n^2 d a token and connection forward; three
+    times that backward, where unfused recompute mixes again before the two gradient products: the mix op's are
+    counted as bytes, not as a matmul), and autograd keeps less without recompute (Sinkhorn keeps only its logits,
+    not 40 iterates) and, with recompute, no more than the coefficients the mix op keeps (H_res and H_post, fp32,
+    n^2 + n numbers a token and connection, where unfused recompute keeps neither)."""
     fused_cfg = tiny_config(layer_norm_with_affine=True, fused_streams=True)
     plain_cfg = tiny_config(layer_norm_with_affine=True)
     step = costmodel.step_cost(fused_cfg, "mhc", microbatch=2, seq_len=16, autocast=None)
     assert step["by_op"]["forward"]["sinkhorn_forward"][0] == 6
+    assert step["by_op"]["backward"]["stream_mix_backward"][0] == 6
     unfused = costmodel.step_cost(plain_cfg, "mhc", 2, 16, autocast=None)
     assert "sinkhorn_forward" not in unfused["by_op"]["forward"]
-    for phase in ("forward", "backward"):
+    n, d, tokens = 4, fused_cfg.d_model, 2 * 16
+    mixing = 2 * tokens * 2 * n * n * d  # two connections a block
+    for phase, times in (("forward", 1), ("backward", 3)):
         assert step["layer"][phase]["kernels"] < unfused["layer"][phase]["kernels"] / 3, phase
         assert step["layer"][phase]["bytes"] < unfused["layer"][phase]["bytes"], phase
-        assert step["layer"][phase]["matmul_flops"] == unfused["layer"][phase]["matmul_flops"], phase
+        assert unfused["layer"][phase]["matmul_flops"] - step["layer"][phase]["matmul_flops"] == times * mixing, phase
     kept = [costmodel._fake_saved_bytes(cfg, "mhc", n_layers=3, microbatch=2, seq_len=16, recompute=recompute,
                                         loss_chunk_tokens=None)
             for recompute in (True, False) for cfg in (plain_cfg, fused_cfg)]
-    assert kept[1] <= kept[0] and kept[3] < kept[2], kept
+    coefficients = 6 * tokens * (n * n + n) * 4  # six connections in three blocks
+    assert kept[1] <= kept[0] + coefficients and kept[3] < kept[2], kept
+
+
+def test_the_check_catches_a_wrong_mix_backward(monkeypatch):
+    """The stream mix's backward with m's gradient transposed (dm[j, s] = <g_s, h_j>): every stream-mix case fails,
+    nothing else does."""
+    original = fused._mix_grads
+
+    def transposed(*args):
+        dh, dm, db, df = original(*args)
+        return dh, dm.transpose(-1, -2), db, df
+
+    monkeypatch.setattr(fused, "_mix_grads", transposed)
+    bad = fused.check()
+    assert bad == [dict(stream_mix=True, n=n, widened=w) for n in (4, 3, 2) for w in (False, True)]
+
+
+def test_fused_hc_is_fewer_kernels_and_bytes():
+    """hc fused: one stream-mix op each way per connection, the dynamic projections' norm folded after the product;
+    a middle block moves fewer bytes each way and launches no more kernels forward (backward a few more: the
+    per-token rstd's small ops), and autograd keeps no more than the coefficients the op keeps (A, whose (n, 1 + n)
+    storage m is a view of, and B: n (n + 1) + n numbers a token and connection, fp32 here)."""
+    fused_cfg = tiny_config(layer_norm_with_affine=True, fused_streams=True)
+    plain_cfg = tiny_config(layer_norm_with_affine=True)
+    step = costmodel.step_cost(fused_cfg, "hc", microbatch=2, seq_len=16, autocast=None)
+    assert step["by_op"]["forward"]["stream_mix_forward"][0] == 6
+    unfused = costmodel.step_cost(plain_cfg, "hc", 2, 16, autocast=None)
+    for phase in ("forward", "backward"):
+        assert step["layer"][phase]["bytes"] < unfused["layer"][phase]["bytes"], phase
+    assert step["layer"]["forward"]["kernels"] <= unfused["layer"]["forward"]["kernels"]
+    for recompute in (True, False):
+        kept = [costmodel._fake_saved_bytes(cfg, "hc", n_layers=3, microbatch=2, seq_len=16, recompute=recompute,
+                                            loss_chunk_tokens=None) for cfg in (plain_cfg, fused_cfg)]
+        n = 2
+        assert kept[1] <= kept[0] + 6 * 2 * 16 * (n * (n + 1) + n) * 4, (recompute, kept)
 
 
 def test_the_check_catches_a_wrong_sinkhorn_backward(monkeypatch):
@@ -222,3 +266,36 @@ def test_the_check_catches_a_wrong_sinkhorn_backward(monkeypatch):
     monkeypatch.setattr(fused, "_sinkhorn_grad", short)
     bad = fused.check()
     assert bad == [b for b in bad if b.get("sinkhorn")] and len(bad) == 8
+
+
+@pytest.mark.parametrize("cls", ["HyperConnections", "ManifoldHyperConnections"])
+def test_plain_connections_fused_match_unfused(cls):
+    """siamesenorm.nn's connections alone (plain PyTorch, nn.RMSNorm with its scale moved off 1): fused equals
+    unfused in output and every gradient, from random streams and from block 0's widened embedding; a LayerNorm is
+    refused in one line."""
+    from siamesenorm import nn as core
+
+    make = getattr(core, cls)
+    torch.manual_seed(0)
+    branch = torch.nn.Linear(16, 16)
+    plain = make(3, 16, branch, norm=torch.nn.RMSNorm)
+    with torch.no_grad():
+        for p in plain.parameters():
+            p.add_(0.1 * torch.randn_like(p))  # off the init: every coefficient and the norm's scale matter
+    fused_conn = make(3, 16, branch, norm=torch.nn.RMSNorm, fused=True)
+    fused_conn.load_state_dict(plain.state_dict())
+    for h in (torch.randn(2, 5, 3, 16), core.expand_streams(torch.randn(2, 5, 16), 3)):
+        outs = []
+        for conn in (plain, fused_conn):
+            conn.zero_grad()
+            leaf = h.detach().clone().requires_grad_()
+            out = conn(leaf)
+            (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+            outs.append((out.detach(), leaf.grad, [p.grad.clone() for p in conn.parameters()]))
+        (a, ga, pa), (b, gb, pb) = outs
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gb, ga, rtol=1e-5, atol=1e-6)
+        for x, y in zip(pb, pa):
+            torch.testing.assert_close(x, y, rtol=1e-4, atol=1e-6)
+    with pytest.raises(ValueError, match="RMSNorm without bias"):
+        make(3, 16, branch, norm=torch.nn.LayerNorm, fused=True)

@@ -23,6 +23,10 @@ about eight kernels each.
 ``sinkhorn`` is mHC's Sinkhorn-Knopp (``sinkhorn_reference``, the core's eager one): a token's 2 x iterations
 normalisations in one kernel each way; backward keeps only the logits and replays the iterations in registers.
 
+``stream_mix`` is hc's and mHC's depth connection with the stream mixing, out_j = sum_s m[j, s] h_s + b_j F: one
+kernel reads the carried streams and the sublayer's output once and writes the new streams once, where eager
+writes the mixed streams, the n scaled copies of F and their sum; backward keeps only the op's inputs.
+
 ``stream_input`` picks the Triton kernel for CUDA tensors when Triton is installed (or every device under
 ``TRITON_INTERPRET=1``, Triton's interpreter, which the tests use on CPU), and ``reference`` (plain torch, fp32
 inside, the same arithmetic) otherwise. ``check`` compares the op with autograd of ``reference`` for every flag
@@ -768,14 +772,170 @@ def sinkhorn(logits: Tensor, iterations: int, columns_first: bool = True) -> Ten
     return _sinkhorn_forward(logits, int(iterations), bool(columns_first))
 
 
+# ---- hc's and mHC's depth connection with the stream mixing, one pass over the streams -------------------------
+def mix_reference(h: Tensor, m: Tensor, b: Tensor, f: Tensor) -> Tensor:
+    """The streams after a sublayer of hc / mHC: out_j = sum_s m[..., j, s] h_s + b_j f, for ``h`` (..., n, d), the
+    mixing ``m`` (..., n, n) (mHC's H_res; hc's A[s, 1+j] as m[j, s]), the output weights ``b`` (..., n) and the
+    sublayer's output ``f`` (..., d); fp32 inside, out in h's dtype."""
+    mixed = torch.einsum("...js,...sd->...jd", m.float(), h.float())
+    return (mixed + b.float()[..., None] * f.float()[..., None, :]).to(h.dtype)
+
+
+def _mix_grads(h: Tensor, m: Tensor, b: Tensor, f: Tensor, g: Tensor) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(dh, dm, db, df) of ``mix_reference`` given d out = g, written out (fp32): dh_s = sum_j m[j, s] g_j,
+    dm[j, s] = <g_j, h_s>, db_j = <g_j, f>, df = sum_j b_j g_j."""
+    g, m, b = g.float(), m.float(), b.float()
+    return (torch.einsum("...js,...jd->...sd", m, g), torch.einsum("...jd,...sd->...js", g, h.float()),
+            torch.einsum("...jd,...d->...j", g, f.float()), torch.einsum("...j,...jd->...d", b, g))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _mix_forward_kernel(H, M, B, F, OUT, tokens, n, d, h_tok, h_str, f_tok, BLOCK_T: tl.constexpr,
+                            N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """A (tokens, streams, features) tile: out_j = sum_s m[j, s] h_s + b_j f, each h_s and f read once."""
+        tok = (tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None, None]
+        j = tl.arange(0, N)[None, :, None]
+        c = (tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D))[None, None, :]
+        tj, tc = (tok < tokens) & (j < n), (tok < tokens) & (c < d)
+        f = tl.load(F + tok * f_tok + c, mask=tc, other=0.0).to(tl.float32)
+        acc = tl.load(B + tok * n + j, mask=tj, other=0.0).to(tl.float32) * f
+        for s in tl.static_range(N):
+            m_s = tl.load(M + tok * n * n + j * n + s, mask=tj & (s < n), other=0.0).to(tl.float32)  # m[:, s]
+            h_s = tl.load(H + tok * h_tok + s * h_str + c, mask=tc & (s < n), other=0.0).to(tl.float32)
+            acc += m_s * h_s
+        tl.store(OUT + tok * n * d + j * d + c, acc.to(OUT.dtype.element_ty), mask=tj & tc)
+
+    @triton.jit
+    def _mix_backward_kernel(H, M, B, F, G, DH, DM, DB, DF, tokens, n, d, h_tok, h_str, f_tok, g_tok,
+                             BLOCK_T: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr):
+        """A block of tokens over all their features: dh and df written chunk by chunk, dm and db (sums over the
+        features) kept in registers and written once."""
+        tok = (tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T))[:, None, None]
+        j = tl.arange(0, N)[None, :, None]
+        k = tl.arange(0, N)[None, None, :]
+        tj = (tok < tokens) & (j < n)
+        b = tl.load(B + tok * n + j, mask=tj, other=0.0).to(tl.float32)
+        dm = tl.zeros([BLOCK_T, N, N], tl.float32)
+        db = tl.zeros([BLOCK_T, N, 1], tl.float32)
+        for c0 in range(0, d, BLOCK_D):
+            c = c0 + tl.arange(0, BLOCK_D)[None, None, :]
+            tc = (tok < tokens) & (c < d)
+            g = tl.load(G + tok * g_tok + j * d + c, mask=tj & tc, other=0.0).to(tl.float32)
+            f = tl.load(F + tok * f_tok + c, mask=tc, other=0.0).to(tl.float32)
+            tl.store(DF + tok * d + c, tl.sum(b * g, axis=1)[:, None, :].to(DF.dtype.element_ty), mask=tc)
+            db += tl.sum(g * f, axis=2)[:, :, None]
+            for s in tl.static_range(N):
+                m_s = tl.load(M + tok * n * n + j * n + s, mask=tj & (s < n), other=0.0).to(tl.float32)
+                h_s = tl.load(H + tok * h_tok + s * h_str + c, mask=tc & (s < n), other=0.0).to(tl.float32)
+                tl.store(DH + tok * n * d + s * d + c, tl.sum(m_s * g, axis=1)[:, None, :].to(DH.dtype.element_ty),
+                         mask=tc & (s < n))
+                dm += tl.where(k == s, tl.sum(g * h_s, axis=2)[:, :, None], 0.0)
+        tl.store(DM + tok * n * n + j * n + k, dm, mask=tj & (k < n))
+        tl.store(DB + tok * n + j, db, mask=tj)
+
+
+_MIX_BLOCK_T = 16  # tokens a program
+
+
+def _streams_view(h: Tensor) -> Tuple[Tensor, int, int]:
+    """(h as (tokens, n, d), token stride, stream stride): read in place when its features are contiguous and its
+    token dims collapse to one stride (a stacked state, or block 0's embedding widened with stream stride 0)."""
+    lead, strides = h.shape[:-2], h.stride()[:-2]
+    n, d = h.shape[-2:]
+    if h.stride(-1) == 1 and lead and all(strides[i] == strides[i + 1] * lead[i + 1] for i in range(len(lead) - 1)):
+        return h.as_strided((h.numel() // (n * d), n, d), (strides[-1], h.stride(-2), 1)), strides[-1], h.stride(-2)
+    h = h.contiguous().view(-1, n, d)
+    return h, n * d, d
+
+
+def _mix_forward_impl(h: Tensor, m: Tensor, b: Tensor, f: Tensor) -> Tensor:
+    if not _use_triton(h):
+        return mix_reference(h, m, b, f)
+    n, d = h.shape[-2:]
+    hv, h_tok, h_str = _streams_view(h)
+    tokens = hv.shape[0]
+    fv, f_tok = _rows(f, d)
+    out = torch.empty((tokens, n, d), dtype=h.dtype, device=h.device)
+    block_d = min(128, triton.next_power_of_2(d))
+    grid = (triton.cdiv(tokens, _MIX_BLOCK_T), triton.cdiv(d, block_d))
+    _mix_forward_kernel[grid](hv, m.float().contiguous(), b.float().contiguous(), fv, out, tokens, n, d, h_tok, h_str,
+                              f_tok, BLOCK_T=_MIX_BLOCK_T, N=triton.next_power_of_2(n), BLOCK_D=block_d)
+    return out.view(h.shape)
+
+
+def _mix_backward_impl(h: Tensor, m: Tensor, b: Tensor, f: Tensor, g: Tensor):
+    if not _use_triton(h):
+        return _mix_grads(h, m, b, f, g)
+    n, d = h.shape[-2:]
+    hv, h_tok, h_str = _streams_view(h)
+    tokens = hv.shape[0]
+    fv, f_tok = _rows(f, d)
+    gv, g_tok, _ = _streams_view(g.contiguous())
+    dh = torch.empty((tokens, n, d), dtype=torch.float32, device=h.device)
+    df = torch.empty((tokens, d), dtype=torch.float32, device=h.device)
+    dm = torch.empty((tokens, n, n), dtype=torch.float32, device=h.device)
+    db = torch.empty((tokens, n), dtype=torch.float32, device=h.device)
+    _mix_backward_kernel[(triton.cdiv(tokens, _MIX_BLOCK_T),)](
+        hv, m.float().contiguous(), b.float().contiguous(), fv, gv, dh, dm, db, df, tokens, n, d, h_tok, h_str, f_tok,
+        g_tok, BLOCK_T=_MIX_BLOCK_T, N=triton.next_power_of_2(n), BLOCK_D=min(64, triton.next_power_of_2(d)))
+    return dh.view(h.shape), dm.view(m.shape), db.view(b.shape), df.view(f.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::stream_mix_forward", mutates_args=())
+def _stream_mix_forward(h: Tensor, m: Tensor, b: Tensor, f: Tensor) -> Tensor:
+    return _mix_forward_impl(h, m, b, f)
+
+
+@_stream_mix_forward.register_fake
+def _(h, m, b, f):
+    return h.new_empty(h.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::stream_mix_backward", mutates_args=())
+def _stream_mix_backward(h: Tensor, m: Tensor, b: Tensor, f: Tensor, g: Tensor) -> List[Tensor]:
+    """(dh, dm, db, df), each in its input's dtype."""
+    grads = _mix_backward_impl(h, m, b, f, g)
+    return [grad.to(t.dtype) for grad, t in zip(grads, (h, m, b, f))]
+
+
+@_stream_mix_backward.register_fake
+def _(h, m, b, f, g):
+    return [t.new_empty(t.shape) for t in (h, m, b, f)]
+
+
+def _mix_setup(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)  # the carried streams, the coefficients and the sublayer's output: no new tensor
+
+
+def _mix_backward(ctx, g):
+    return tuple(_stream_mix_backward(*ctx.saved_tensors, g))
+
+
+_stream_mix_forward.register_autograd(_mix_backward, setup_context=_mix_setup)
+
+
+def stream_mix(h: Tensor, m: Tensor, b: Tensor, f: Tensor) -> Tensor:
+    """hc's and mHC's depth connection with the stream mixing as one op each way (``siamesenorm::stream_mix_forward``
+    / ``_backward``; ``mix_reference``'s arithmetic): out_j = sum_s m[..., j, s] h_s + b_j f. Eager mixes the streams
+    into a tensor of their own, scales f into n copies and adds the two (three (..., n, d) tensors written); the
+    kernel reads h and f once and writes out once, and backward keeps only its inputs."""
+    if h.shape[:-1] != b.shape or m.shape != (*b.shape, b.shape[-1]) or f.shape != (*h.shape[:-2], h.shape[-1]):
+        raise ValueError(f"stream_mix takes h (..., n, d), m (..., n, n), b (..., n), f (..., d); got "
+                         f"{tuple(h.shape)}, {tuple(m.shape)}, {tuple(b.shape)}, {tuple(f.shape)}")
+    return _stream_mix_forward(h, m, b, f)
+
+
 # ---- the check the tests and the GPU check run ---------------------------------------------------------------------
 def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol: float = 2e-5,
           seen: Optional[list] = None) -> List[dict]:
     """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32) and ``stream_add``, on separate
     and stacked streams, of ``head_norm`` (with and without weights, as many k/v heads as q heads and fewer,
-    contiguous and strided: 8) and of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8), forward
-    and backward (a random projection of the outputs), against autograd of ``reference`` / ``head_reference`` /
-    siamesenorm.nn.sinkhorn, fp64 inputs on ``device`` (fp32 inside all); returns the combinations that
+    contiguous and strided: 8), of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8) and of
+    ``stream_mix`` (4, 3 and 2 streams, stacked and widened from one stream: 6), forward and backward (a random
+    projection of the outputs), against autograd of ``reference`` / ``head_reference`` / siamesenorm.nn.sinkhorn /
+    ``mix_reference``, fp64 inputs on ``device`` (fp32 inside all); returns the combinations that
     disagree, and appends every combination it ran to ``seen`` (if given). On CUDA with Triton (or under
     ``TRITON_INTERPRET=1``) it checks the kernels, elsewhere the torch path."""
     gen = torch.Generator().manual_seed(0)
@@ -850,5 +1010,14 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
         seen.append(case)
         if not agree(lambda: sinkhorn_reference(logits, iterations, order).flatten(-2),
                      lambda: sinkhorn(logits, iterations, columns_first).flatten(-2), [logits], (n * n,)):
+            bad.append(case)
+    for n, widened in itertools.product([4, 3, 2], [False, True]):
+        base = randn(*rows, d) if widened else randn(*rows, n * d)
+        h = base.unsqueeze(-2).expand(*rows, n, d) if widened else base.unflatten(-1, (n, d))  # block 0 / stacked
+        m, b, f = randn(*rows, n, n), randn(*rows, n), randn(*shape)
+        case = dict(stream_mix=True, n=n, widened=widened)
+        seen.append(case)
+        if not agree(lambda: mix_reference(h, m, b, f).flatten(-2), lambda: stream_mix(h, m, b, f).flatten(-2),
+                     [base, m, b, f], (n * d,)):
             bad.append(case)
     return bad

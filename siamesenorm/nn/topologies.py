@@ -23,6 +23,7 @@ import torch.nn as nn
 
 from .fused import sinkhorn as fused_sinkhorn
 from .fused import sinkhorn_reference as sinkhorn
+from .fused import stream_mix
 
 __all__ = ["PreNorm", "PostNorm", "HybridNorm", "SiameseNorm", "SiameseFusion", "HyperConnection",
            "HyperConnections", "ManifoldHyperConnection", "ManifoldHyperConnections", "post_norm_update",
@@ -348,22 +349,75 @@ def depth_connection(carried: torch.Tensor, weights: torch.Tensor, out: torch.Te
     return carried + weights.unsqueeze(-1) * out.unsqueeze(-2)
 
 
-class HyperConnection(nn.Module):
+class _Rstd(torch.autograd.Function):
+    """rstd(x) = (mean(x^2) + eps)^(-1/2) over the last dim, fp32 (..., 1): one reduction over x forward, one
+    elementwise pass backward, dx = -rstd^3 x g / k in x's dtype (autograd of ``linalg.vector_norm`` writes x / |x|
+    in fp32 and masks it first)."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
+        rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
+        rstd = torch.rsqrt(rms.square() / x.shape[-1] + eps)
+        ctx.save_for_backward(x, rstd)
+        return rstd
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        x, rstd = ctx.saved_tensors
+        return x * (grad * rstd.pow(3) * (-1.0 / x.shape[-1])).to(x.dtype), None
+
+
+def _rms_project(x: torch.Tensor, norm: nn.Module, proj: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """RMSNorm(x) @ proj computed as (x @ (w proj)) * rstd(x), fp32 out: one reduction over x, then the product in
+    ``dtype``, the norm's division after it, so the normalised copy of x is never written (the fused connections'
+    coefficients; ``norm`` an RMSNorm without bias, its weight w and eps read from it)."""
+    weight, eps = getattr(norm, "weight", None), getattr(norm, "eps", None)
+    eps = torch.finfo(torch.float32).eps if eps is None else eps  # nn.RMSNorm's default
+    proj = proj.to(dtype) if weight is None else weight.to(dtype)[:, None] * proj.to(dtype)
+    return (x.to(dtype) @ proj).float() * _Rstd.apply(x, eps)
+
+
+def _fusable_norm(norm: nn.Module, name: str) -> None:
+    if isinstance(norm, nn.LayerNorm) or getattr(norm, "bias", None) is not None:
+        raise ValueError(f"the fused {name} connection needs an RMSNorm without bias as its norm")
+
+
+class _Connection(nn.Module):
+    """What hc's and mHC's connections share: ``width(H)`` -> (branch input, carried, weights), then
+    ``depth(H, carried, weights, F)`` -> the new streams. Unfused, ``carried`` is the mixed streams (..., n, d) and
+    the depth connection adds weights x F to them; ``fused`` (``model.fused_streams``), ``carried`` is the mixing
+    matrix m (..., n, n), fp32, and one op mixes and adds, out_j = sum_s m[j, s] h_s + weights_j F
+    (siamesenorm/nn/fused.py ``stream_mix``: the mixed streams are never written)."""
+
+    fused: bool = False
+
+    def depth(self, h: torch.Tensor, carried: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.fused:
+            return stream_mix(h, carried, weights, out)
+        return depth_connection(carried, weights, out)
+
+
+class HyperConnection(_Connection):
     """The width connection of dynamic Hyper-Connections (Zhu et al., arXiv 2409.19606) around one sublayer, for n
-    streams H (B, ..., n, d); ``width(H)`` gives (branch input, carried streams, B), ``depth_connection`` the rest:
+    streams H (B, ..., n, d); ``width(H)`` gives (branch input, carried streams, B), ``depth`` the rest:
 
         A(H) = A_s + s_a * tanh(norm(H) W_a)    A_s = [e_(layer mod n) | I_n], W_a = 0, s_a = 0.01
         B(H) = B_s + s_b * tanh(norm(H) w_b)    B_s = 1,                        w_b = 0, s_b = 0.01
         input = sum_s A[s, 0] h_s;   h_j <- sum_s A[s, 1+j] h_s + B_j * F(input)
 
     ``weight_decay_params`` names the parameters that take weight decay (the HC paper's section 4: the dynamic
-    projections, with ``decay_dynamic``); the static weights and the scales take none.
+    projections, with ``decay_dynamic``); the static weights and the scales take none. ``fused``
+    (``model.fused_streams``; the norm an RMSNorm without bias): the mixing and the depth connection as one op
+    (``_Connection``; ``width`` then gives the matrix m[j, s] = A[s, 1+j]), and both dynamic projections as one
+    product with the norm's division after it, norm(H) [W_a | w_b] = (H @ (w [W_a | w_b])) * rstd(H), in H's dtype,
+    so the normalised streams are never written.
     """
 
     def __init__(self, n: int, dim: int, layer: int = 0, norm: NormFactory = nn.LayerNorm, dynamic: bool = True,
-                 scale_init: float = 0.01, decay_dynamic: bool = True, device=None):
+                 scale_init: float = 0.01, decay_dynamic: bool = True, device=None, fused: bool = False):
         super().__init__()
         self.n, self.read_stream, self.dynamic, self.scale_init = n, layer % n, dynamic, scale_init
+        self.fused = fused
         self.static_alpha = nn.Parameter(torch.empty(n, 1 + n, device=device))
         self.static_beta = nn.Parameter(torch.empty(n, device=device))
         self.weight_decay_params: Tuple[str, ...] = ()
@@ -375,6 +429,8 @@ class HyperConnection(nn.Module):
             self.dynamic_beta_scale = nn.Parameter(torch.empty(1, device=device))
             if decay_dynamic:
                 self.weight_decay_params = ("dynamic_alpha_fn", "dynamic_beta_fn")
+            if fused:
+                _fusable_norm(self.norm, "hc")
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -391,14 +447,23 @@ class HyperConnection(nn.Module):
                 self.dynamic_beta_scale.fill_(self.scale_init)
 
     def width(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """h: (..., n, d) -> branch input (..., d), carried streams (..., n, d), B (..., n); in h's dtype."""
+        """h: (..., n, d) -> branch input (..., d), carried streams (..., n, d), B (..., n); in h's dtype.
+        Fused: the carried streams' place holds m (..., n, n), m[j, s] = A[s, 1+j]."""
         alpha, beta = self.static_alpha, self.static_beta
-        if self.dynamic:
+        if self.dynamic and self.fused:
+            proj = torch.cat([self.dynamic_alpha_fn, self.dynamic_beta_fn[:, None]], dim=-1)  # (d, 1 + n + 1)
+            logits = _rms_project(h, self.norm, proj, h.dtype)
+            alpha = alpha + self.dynamic_alpha_scale * torch.tanh(logits[..., :-1])
+            beta = beta + self.dynamic_beta_scale * torch.tanh(logits[..., -1])
+        elif self.dynamic:
             normed = self.norm(h)
             alpha = alpha + self.dynamic_alpha_scale * torch.tanh(normed @ self.dynamic_alpha_fn.to(h.dtype))
             beta = beta + self.dynamic_beta_scale * torch.tanh(normed @ self.dynamic_beta_fn.to(h.dtype))
         else:
             alpha, beta = alpha.expand(*h.shape[:-1], 1 + self.n), beta.expand(*h.shape[:-1])
+        if self.fused:
+            inp = torch.einsum("...sd,...s->...d", h, alpha[..., 0].to(h.dtype))
+            return inp, alpha[..., 1:].transpose(-1, -2), beta
         mixed = torch.einsum("...sd,...sk->...kd", h, alpha.to(h.dtype))  # (..., 1 + n, d)
         return mixed[..., 0, :], mixed[..., 1:, :], beta.to(h.dtype)
 
@@ -412,8 +477,8 @@ class HyperConnections(HyperConnection):
     """
 
     def __init__(self, n: int, dim: int, branch: Branch, layer: int = 0, norm: NormFactory = nn.LayerNorm,
-                 dynamic: bool = True, scale_init: float = 0.01):
-        super().__init__(n, dim, layer=layer, norm=norm, dynamic=dynamic, scale_init=scale_init)
+                 dynamic: bool = True, scale_init: float = 0.01, fused: bool = False):
+        super().__init__(n, dim, layer=layer, norm=norm, dynamic=dynamic, scale_init=scale_init, fused=fused)
         self.branch = _branch_module(branch)
 
     expand = staticmethod(lambda x, n: expand_streams(x, n))
@@ -424,10 +489,10 @@ class HyperConnections(HyperConnection):
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         inp, carried, beta = self.width(h)
-        return depth_connection(carried, beta, self.branch(inp))
+        return self.depth(h, carried, beta, self.branch(inp))
 
 
-class ManifoldHyperConnection(nn.Module):
+class ManifoldHyperConnection(_Connection):
     """The width connection of mHC (Xie et al., arXiv 2512.24880, eqs. 7-9) around one sublayer, n streams
     H (B, ..., n, d); per token, with h~ = norm(flatten(H)) of size n*d:
 
@@ -440,7 +505,8 @@ class ManifoldHyperConnection(nn.Module):
     ``fused`` (``model.fused_streams``; the norm an RMSNorm without bias): the same coefficients in fewer passes, as
     the mHC paper's kernels compute them: h~ P = (flatten(H) @ (w P)) * rstd, the norm's division after the product
     (so the normalised (n d)-wide copy is never written; fp32 throughout, where OLMo's norm rounds h~ to the streams'
-    dtype before its scale), and Sinkhorn as one op each way (siamesenorm/nn/fused.py ``sinkhorn``).
+    dtype before its scale), Sinkhorn as one op each way (siamesenorm/nn/fused.py ``sinkhorn``), and the mixing
+    with the depth connection as one (``_Connection``; ``width`` then gives H_res in the carried streams' place).
     """
 
     def __init__(self, n: int, dim: int, norm: NormFactory = nn.LayerNorm, iterations: int = 20,
@@ -450,8 +516,8 @@ class ManifoldHyperConnection(nn.Module):
             raise ValueError(f"Sinkhorn order {order!r} is unknown; use one of: {', '.join(SINKHORN_ORDERS)}.")
         self.n, self.iterations, self.order, self.gate_init = n, iterations, order, gate_init
         self.norm = norm(n * dim)
-        if fused and (isinstance(self.norm, nn.LayerNorm) or getattr(self.norm, "bias", None) is not None):
-            raise ValueError("the fused mHC connection needs an RMSNorm without bias as its norm")
+        if fused:
+            _fusable_norm(self.norm, "mHC")
         self.fused = fused
         self.proj = nn.Parameter(torch.empty(n * dim, n * n + 2 * n, device=device))  # P_pre | P_post | P_res
         self.gates = nn.Parameter(torch.empty(3, device=device))  # a_pre, a_post, a_res
@@ -474,7 +540,7 @@ class ManifoldHyperConnection(nn.Module):
         """h: (..., n, d) -> H_pre (..., n), H_post (..., n), H_res (..., n, n); all fp32."""
         n = self.n
         with torch.autocast(device_type=h.device.type, enabled=False):
-            logits = self._fused_logits(h.flatten(-2)) if self.fused \
+            logits = _rms_project(h.flatten(-2), self.norm, self.proj, torch.float32) if self.fused \
                 else self.norm(h.flatten(-2)).float() @ self.proj.float()
             g = self.gates.float()
             pre = torch.sigmoid(g[0] * logits[..., :n] + self.bias_pre.float())
@@ -484,18 +550,13 @@ class ManifoldHyperConnection(nn.Module):
                 else sinkhorn(res_logits, self.iterations, self.order)
         return pre, post, res
 
-    def _fused_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """RMSNorm(x) @ P as (x @ (w P)) * rstd(x), fp32: one reduction over x, then the product."""
-        weight, eps = getattr(self.norm, "weight", None), getattr(self.norm, "eps", None)
-        eps = torch.finfo(torch.float32).eps if eps is None else eps  # nn.RMSNorm's default
-        proj = self.proj.float() if weight is None else weight.float()[:, None] * self.proj.float()
-        norm = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
-        return (x.float() @ proj) * torch.rsqrt(norm.square() / x.shape[-1] + eps)
-
     def width(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> branch input (..., d), mixed streams H_res H (..., n, d), H_post (..., n), in h's dtype."""
+        """-> branch input (..., d), mixed streams H_res H (..., n, d), H_post (..., n), in h's dtype; fused:
+        H_res (..., n, n) and H_post in fp32 (the op mixes)."""
         pre, post, res = self.coefficients(h)
         inp = torch.einsum("...sd,...s->...d", h, pre.to(h.dtype))
+        if self.fused:
+            return inp, res, post
         mixed = torch.einsum("...js,...sd->...jd", res.to(h.dtype), h)
         return inp, mixed, post.to(h.dtype)
 
@@ -516,5 +577,5 @@ class ManifoldHyperConnections(ManifoldHyperConnection):
         return h.mean(-2)
 
     def forward(self, h: torch.Tensor) -> torch.Tensor:
-        inp, mixed, post = self.width(h)
-        return depth_connection(mixed, post, self.branch(inp))
+        inp, carried, post = self.width(h)
+        return self.depth(h, carried, post, self.branch(inp))

@@ -42,9 +42,8 @@ from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType  # noqa: E402
 from olmo_core.nn.transformer.block import (MoETransformerBlock, TransformerBlock,  # noqa: E402
                                             TransformerBlockBase)
 
-from ..nn.topologies import (HyperConnection, ManifoldHyperConnection, StackedStreams, depth_connection,
-                             hybrid_norm_update, post_norm_update, siamese_hybrid_attention,
-                             siamese_update)
+from ..nn.topologies import (HyperConnection, ManifoldHyperConnection, StackedStreams, hybrid_norm_update,
+                             post_norm_update, siamese_hybrid_attention, siamese_update)
 from ..variants._base import depth_scale
 from ..variants.deepnorm import deepnorm_alpha, deepnorm_beta
 from ..variants.mixln import mixln_post_layers
@@ -367,7 +366,7 @@ class ConnectedStreams(CoreTopologyBlock):
         for conn, branch, pre_norm in ((attn_conn, attn, self.attention_norm),
                                        (ff_conn, mlp, self.feed_forward_norm)):
             inp, carried, weights = conn.width(h)
-            h = depth_connection(carried, weights, branch(pre_norm(inp)))
+            h = conn.depth(h, carried, weights, branch(pre_norm(inp)))
         return self.finish(list(h.unbind(-2)))
 
 

@@ -21,8 +21,8 @@ from torch.utils.checkpoint import checkpoint
 from olmo.config import ModelConfig
 from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
 
-from ..nn.fused import stream_add
-from ..nn.topologies import DEPTH_SCALING_FORMS, StackedStreams, depth_connection, depth_divisor
+from ..nn.fused import stream_add, stream_input
+from ..nn.topologies import DEPTH_SCALING_FORMS, StackedStreams, depth_divisor
 from .spec import Knob, knob
 
 __all__ = ["TopologyBlock", "AttentionCall", "ConnectedStreamsBlock", "TwoStreamBlock", "SIAMESE_KNOBS", "depth_scale",
@@ -228,8 +228,8 @@ class TopologyBlock(StackedStreams, OLMoSequentialBlock):
 
 class ConnectedStreamsBlock(TopologyBlock):
     """n streams with a learned connection around each sublayer (hc, mhc): a siamesenorm.nn connection whose
-    ``width(H)`` gives (branch input, carried streams, per-stream output weights) for H (B, T, n, d), then
-    ``depth_connection``. ``attn_norm`` / ``ff_norm`` keep their Pre-Norm role inside each branch. Subclasses set
+    ``width(H)`` gives (branch input, carried streams, per-stream output weights) for H (B, T, n, d), then its
+    ``depth``. ``attn_norm`` / ``ff_norm`` keep their Pre-Norm role inside each branch. Subclasses set
     ``EXPANSION_KNOB`` and build the two connections, named in ``connection_names`` (attention first)."""
 
     EXPANSION_KNOB: str = ""
@@ -249,9 +249,18 @@ class ConnectedStreamsBlock(TopologyBlock):
         attn_conn, ff_conn = (getattr(self, name) for name in self.connection_names)
         for conn, branch, pre_norm in ((attn_conn, attention, self.attn_norm), (ff_conn, self.mlp, self.ff_norm)):
             # the width connection and the branch's Pre-Norm as one cheap part: backward keeps only h
-            inp, carried, weights = self.cheap(functools.partial(_width_then_norm, conn, pre_norm), h)
-            h = depth_connection(carried, weights, branch(inp))
+            inp, carried, weights = self.cheap(functools.partial(_width_then_norm, conn, self.branch_norm(pre_norm)),
+                                               h)
+            h = conn.depth(h, carried, weights, branch(inp))
         return self.finish(list(h.unbind(-2)))  # the last block fuses the streams (contributions)
+
+    def branch_norm(self, norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A branch's Pre-Norm: OLMo's norm, or with ``model.fused_streams`` the same RMSNorm as one op each way
+        (siamesenorm/nn/fused.py ``stream_input`` with one stream, as fused ``pre`` runs its norms)."""
+        if not self.fused_streams:
+            return norm
+        weight, eps = self.weight(norm), self.config.layer_norm_eps
+        return lambda t: stream_input(None, t, y_weight=weight, eps=eps)[2]
 
 
 def _width_then_norm(conn: nn.Module, norm: nn.Module, h: torch.Tensor):

@@ -50,7 +50,8 @@ class HyperConnectionBlock(ConnectedStreamsBlock):
     def __init__(self, layer_id, config, cache):
         super().__init__(layer_id, config, cache)
         args = dict(n=self.n_streams, dim=config.d_model, layer=layer_id, norm=lambda size: self.new_norm(size),
-                    decay_dynamic=knob(config, "hc_decay_dynamic"), device=config.init_device)
+                    decay_dynamic=knob(config, "hc_decay_dynamic"), device=config.init_device,
+                    fused=self.fused_streams)
         self.attn_hc = HyperConnection(**args)
         self.ff_hc = HyperConnection(**args)
 
