@@ -155,10 +155,12 @@ def test_fused_streams_needs_rms_without_bias(change, words):
     validate_model_config(tiny_config(**change), "pre")  # without the flag, pre takes any of these
 
 
-def test_fused_blocks_compile_whole_and_match_eager():
+@pytest.mark.parametrize("model_type", ["hybrid_pre", "mhc"])
+def test_fused_blocks_compile_whole_and_match_eager(model_type):
     """The fused ops are opaque to torch.compile (one custom op each way, with fake implementations): a fused block
-    compiles as one graph (fullgraph) around them and gives eager's logits and gradients."""
-    eager = _perturbed_pair("hybrid_pre", n_layers=2)[1]
+    compiles as one graph (fullgraph) around them and gives eager's logits and gradients (mhc: compiled, the mixing
+    is left to inductor and Sinkhorn stays one op; eager mixes in ``stream_mix``)."""
+    eager = _perturbed_pair(model_type, n_layers=2)[1]
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
     try:
