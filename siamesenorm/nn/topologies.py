@@ -389,7 +389,7 @@ class _Connection(nn.Module):
     """What hc's and mHC's connections share: ``width(H)`` -> (branch input, carried, weights), then
     ``depth(H, carried, weights, F)`` -> the new streams. Unfused, ``carried`` is the mixed streams (..., n, d) and
     the depth connection adds weights x F to them; ``fused`` (``model.fused_streams``), ``carried`` is the mixing
-    matrix m (..., n, n), fp32, and one op mixes and adds, out_j = sum_s m[j, s] h_s + weights_j F
+    matrix m (..., n, n) (mhc's in fp32) and one op mixes and adds, out_j = sum_s m[j, s] h_s + weights_j F in fp32
     (siamesenorm/nn/fused.py ``stream_mix``: the mixed streams are never written)."""
 
     fused: bool = False
