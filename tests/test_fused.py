@@ -174,22 +174,31 @@ def test_fused_blocks_compile_whole_and_match_eager(model_type):
         torch._dynamo.reset()
 
 
+def _fused_and_unfused_costs(model_type):
+    """The cost model's step (eager, fp32) of the tiny model with model.fused_streams, and without."""
+    return [costmodel.step_cost(tiny_config(layer_norm_with_affine=True, fused_streams=on), model_type,
+                                microbatch=2, seq_len=16, autocast=None) for on in (True, False)]
+
+
+def _kept_unfused_and_fused(model_type, recompute):
+    """Bytes autograd keeps for a 3-layer tiny model's step (2 x 16 tokens), [unfused, fused]."""
+    return [costmodel._fake_saved_bytes(tiny_config(layer_norm_with_affine=True, fused_streams=on), model_type,
+                                        n_layers=3, microbatch=2, seq_len=16, recompute=recompute,
+                                        loss_chunk_tokens=None) for on in (False, True)]
+
+
 def test_head_norm_is_one_op_each_way_and_keeps_no_more_than_unfused():
     """HybridNorm's Q/K/V norms fused: one op each way per block (not three norms of ~8 kernels), fewer bytes, and
     autograd keeps no more than the unfused norms with recompute (q, k, v are separate tensors: attention keeps v
     without the normalised q and k beside it)."""
-    fused_cfg = tiny_config(layer_norm_with_affine=True, fused_streams=True)
-    plain_cfg = tiny_config(layer_norm_with_affine=True)
-    step = costmodel.step_cost(fused_cfg, "hybrid", microbatch=2, seq_len=16, autocast=None)
+    step, unfused = _fused_and_unfused_costs("hybrid")
     assert step["by_op"]["forward"]["head_norm_forward"][0] == 3
     assert step["by_op"]["backward"]["head_norm_backward"][0] == 3
-    unfused = costmodel.step_cost(plain_cfg, "hybrid", 2, 16, autocast=None)
     for phase in ("forward", "backward"):
         assert step["layer"][phase]["kernels"] < unfused["layer"][phase]["kernels"]
         assert step["layer"][phase]["bytes"] < unfused["layer"][phase]["bytes"]
     for model_type in ("hybrid", "hybrid_pre"):
-        kept = [costmodel._fake_saved_bytes(cfg, model_type, n_layers=3, microbatch=2, seq_len=16, recompute=True,
-                                            loss_chunk_tokens=None) for cfg in (plain_cfg, fused_cfg)]
+        kept = _kept_unfused_and_fused(model_type, recompute=True)
         assert kept[1] <= kept[0], (model_type, kept)
 
 
@@ -201,22 +210,17 @@ def test_fused_mhc_is_fewer_kernels_and_bytes_and_keeps_less():
     counted as bytes, not as a matmul), and autograd keeps less without recompute (Sinkhorn keeps only its logits,
     not 40 iterates) and, with recompute, no more than the coefficients the mix op keeps (H_res and H_post, fp32,
     n^2 + n numbers a token and connection, where unfused recompute keeps neither)."""
-    fused_cfg = tiny_config(layer_norm_with_affine=True, fused_streams=True)
-    plain_cfg = tiny_config(layer_norm_with_affine=True)
-    step = costmodel.step_cost(fused_cfg, "mhc", microbatch=2, seq_len=16, autocast=None)
+    step, unfused = _fused_and_unfused_costs("mhc")
     assert step["by_op"]["forward"]["sinkhorn_forward"][0] == 6
     assert step["by_op"]["backward"]["stream_mix_backward"][0] == 6
-    unfused = costmodel.step_cost(plain_cfg, "mhc", 2, 16, autocast=None)
     assert "sinkhorn_forward" not in unfused["by_op"]["forward"]
-    n, d, tokens = 4, fused_cfg.d_model, 2 * 16
+    n, d, tokens = 4, tiny_config().d_model, 2 * 16
     mixing = 2 * tokens * 2 * n * n * d  # two connections a block
     for phase, times in (("forward", 1), ("backward", 3)):
         assert step["layer"][phase]["kernels"] < unfused["layer"][phase]["kernels"] / 3, phase
         assert step["layer"][phase]["bytes"] < unfused["layer"][phase]["bytes"], phase
         assert unfused["layer"][phase]["matmul_flops"] - step["layer"][phase]["matmul_flops"] == times * mixing, phase
-    kept = [costmodel._fake_saved_bytes(cfg, "mhc", n_layers=3, microbatch=2, seq_len=16, recompute=recompute,
-                                        loss_chunk_tokens=None)
-            for recompute in (True, False) for cfg in (plain_cfg, fused_cfg)]
+    kept = _kept_unfused_and_fused("mhc", recompute=True) + _kept_unfused_and_fused("mhc", recompute=False)
     coefficients = 6 * tokens * (n * n + n) * 4  # six connections in three blocks
     assert kept[1] <= kept[0] + coefficients and kept[3] < kept[2], kept
 
@@ -240,18 +244,14 @@ def test_fused_hc_is_fewer_kernels_and_bytes():
     a middle block moves fewer bytes each way and launches no more kernels forward (backward a few more: the
     per-token rstd's small ops), and autograd keeps no more than the coefficients the op keeps (A, whose (n, 1 + n)
     storage m is a view of, and B: n (n + 1) + n numbers a token and connection, fp32 here)."""
-    fused_cfg = tiny_config(layer_norm_with_affine=True, fused_streams=True)
-    plain_cfg = tiny_config(layer_norm_with_affine=True)
-    step = costmodel.step_cost(fused_cfg, "hc", microbatch=2, seq_len=16, autocast=None)
+    step, unfused = _fused_and_unfused_costs("hc")
     assert step["by_op"]["forward"]["stream_mix_forward"][0] == 6
-    unfused = costmodel.step_cost(plain_cfg, "hc", 2, 16, autocast=None)
     for phase in ("forward", "backward"):
         assert step["layer"][phase]["bytes"] < unfused["layer"][phase]["bytes"], phase
     assert step["layer"]["forward"]["kernels"] <= unfused["layer"]["forward"]["kernels"]
+    n = 2
     for recompute in (True, False):
-        kept = [costmodel._fake_saved_bytes(cfg, "hc", n_layers=3, microbatch=2, seq_len=16, recompute=recompute,
-                                            loss_chunk_tokens=None) for cfg in (plain_cfg, fused_cfg)]
-        n = 2
+        kept = _kept_unfused_and_fused("hc", recompute)
         assert kept[1] <= kept[0] + 6 * 2 * 16 * (n * (n + 1) + n) * 4, (recompute, kept)
 
 
