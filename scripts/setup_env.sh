@@ -8,7 +8,8 @@ if [ "${BASH_SOURCE[0]}" = "$0" ] && [ $# -gt 0 ]; then  # run, not sourced: onl
       echo "usage: bash scripts/setup_env.sh"
       echo "Creates .venv (or \$VENV) with \$PYTHON (default python3) and installs this project with its pinned"
       echo "dependencies (pyproject.toml), again only when pyproject.toml changes; OLMo-core 3 for the OLMo-core path"
-      echo "and Triton for the kernel tests (in \$VENV/triton-interpreter) come in steps of their own"
+      echo "Triton for the kernel tests (in \$VENV/triton-interpreter) and the newest transformers for the export"
+      echo "tests (in \$VENV/transformers-newest) come in steps of their own"
       echo "(pyproject.toml, [tool.siamesenorm], says why). scripts/quickstart.sh and scripts/test.sh source it;"
       echo "'source scripts/setup_env.sh' also puts the environment on PATH."
       exit 0 ;;
@@ -40,6 +41,12 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   "$VENV/bin/python" -m pip install --progress-bar off --no-deps --target "$VENV/triton-interpreter" "$TRITON_PIN" 2>&1 \
     | grep --line-buffered -E "^(Successfully installed|ERROR: (Could|No matching))" | sed -u 's/^/[setup] /' || true
   test -d "$VENV/triton-interpreter/triton" || { echo "[setup] $TRITON_PIN did not install; see pip's messages above" >&2; exit 1; }
+  NEWEST_PIN="$("$VENV/bin/python" -c "import sys, tomllib; print(tomllib.load(open(sys.argv[1], 'rb'))['tool']['siamesenorm']['transformers-newest'])" "$ROOT/pyproject.toml")"
+  echo "[setup] $NEWEST_PIN into $VENV/transformers-newest, for the tests of exports under the newest transformers"
+  rm -rf "$VENV/transformers-newest"
+  "$VENV/bin/python" -m pip install --progress-bar off --no-deps --target "$VENV/transformers-newest" "$NEWEST_PIN" 2>&1 \
+    | grep --line-buffered -E "^(Successfully installed|ERROR: (Could|No matching))" | sed -u 's/^/[setup] /' || true
+  test -d "$VENV/transformers-newest/transformers" || { echo "[setup] $NEWEST_PIN did not install; see pip's messages above" >&2; exit 1; }
   "$VENV/bin/python" -c "import siamesenorm, olmo, transformers, siamesenorm.olmo_core.config" \
     || { echo "[setup] the install failed; see pip's messages above" >&2; exit 1; }
   echo "$WANT" > "$STAMP"

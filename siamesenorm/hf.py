@@ -10,7 +10,7 @@ code (siamesenorm.remote: ``auto_map`` in config.json), so it loads two ways:
 
     import siamesenorm.hf  # with this package: registers siamesenorm_olmo, builds the model through ai2-olmo
     model = AutoModelForCausalLM.from_pretrained("exports/my-run")
-    tokenizer = AutoTokenizer.from_pretrained("exports/my-run")   # plain transformers either way
+    tokenizer = AutoTokenizer.from_pretrained("exports/my-run", trust_remote_code=True)  # it reads config.json
 
 Here the model is OLMo's own ``olmo.model.OLMo`` inside a thin ``PreTrainedModel``: the logits are OLMo's; the
 key/value cache is transformers' ``DynamicCache``, converted to OLMo's per-layer (key, value) pairs at each call.
@@ -37,7 +37,7 @@ from .data import load_tokenizer
 from .model import build_model
 from .records import variant_knobs
 from .remote import modeling_siamesenorm as remote_model
-from .remote import remote_refusal, write_remote_code
+from .remote import CHECKED_TRANSFORMERS, remote_refusal, write_remote_code
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +94,8 @@ def run_tokenizer(cfg) -> PreTrainedTokenizerFast:
     tok = load_tokenizer(str(cfg.tokenizer.identifier))
     eos = tok.id_to_token(cfg.model.eos_token_id)
     pad = tok.id_to_token(cfg.model.pad_token_id)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=eos, pad_token=pad,
+                                   model_max_length=cfg.model.max_sequence_length)  # the model's, not 1e30
 
 
 def from_run(path: Union[str, Path]) -> tuple[SiameseOlmoForCausalLM, PreTrainedTokenizerFast, Path]:
@@ -237,6 +238,7 @@ def write_export(model: SiameseOlmoForCausalLM, tokenizer: Optional[PreTrainedTo
         config_file = out / "config.json"
         config = json.loads(config_file.read_text())
         config["auto_map"] = write_remote_code(out, source_config.variant)
+        config["siamesenorm_checked_transformers"] = list(CHECKED_TRANSFORMERS)
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     card = _llama_card(source_config, source) if as_llama else _model_card(source_config, source, no_remote)
     (out / "README.md").write_text(card)
@@ -263,15 +265,19 @@ def _model_card(config: SiameseOlmoConfig, source: Path, no_remote: Optional[str
     knobs = variant_knobs(olmo_config(config), config.variant)
     knob_lines = "\n".join(f"- `{k}`: `{v}`" for k, v in sorted(knobs.items())) or "- (none)"
     if no_remote is None:
-        loading = """It carries its own modelling code (`modeling_siamesenorm.py`, `olmo_lite.py` and siamesenorm's files for
+        loading = f"""It carries its own modelling code (`modeling_siamesenorm.py`, `olmo_lite.py` and siamesenorm's files for
 this MODEL_TYPE: the update rules that trained it, imports of torch and transformers only), so transformers
 alone loads it, without siamesenorm or ai2-olmo:
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
 model = AutoModelForCausalLM.from_pretrained("path/to/this/folder", trust_remote_code=True)
-tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder")
+tokenizer = AutoTokenizer.from_pretrained("path/to/this/folder", trust_remote_code=True)  # it reads config.json
 ```
+
+Checked with transformers {' and '.join(CHECKED_TRANSFORMERS)} (greedy generation with the KV cache equal to
+generation without it); the cache is taken as `cache` (5.24 on) or `past_key_values` (before), and an argument
+the model cannot honour is refused, never dropped.
 
 With the siamesenorm package installed, `import siamesenorm.hf` first loads it through ai2-olmo instead, without
 remote code."""

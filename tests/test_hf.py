@@ -119,7 +119,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 folder, ids, trust = sys.argv[1], json.loads(sys.argv[2]), sys.argv[4] == "trust"
 model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=trust).eval()
-tokenizer = AutoTokenizer.from_pretrained(folder)
+tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=trust)  # as the README writes it
 with torch.no_grad():
     ids = torch.tensor([ids])
     logits = model(ids).logits
@@ -138,6 +138,7 @@ def load_alone(folder: Path, ids: list, tmp_path: Path, trust: bool = False) -> 
                            "trust" if trust else "no"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "[y/N]" not in proc.stderr + proc.stdout  # no interactive question on the README's lines
     return torch.load(result)
 
 

@@ -6,7 +6,10 @@ import json
 import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
+
+from typing import Optional
 
 import pytest
 import torch
@@ -15,10 +18,16 @@ from conftest import HIDE_SIAMESENORM_AND_OLMO
 from siamesenorm.config import MODEL_TYPES, SiameseModelConfig
 from siamesenorm.hf import SiameseOlmoConfig, SiameseOlmoForCausalLM, write_export
 from siamesenorm.model import build_model
-from siamesenorm.remote import AUTO_MAP, check_imports, files_for
+from siamesenorm.remote import AUTO_MAP, CHECKED_TRANSFORMERS, check_imports, files_for
 
 PACKAGE = Path(__file__).resolve().parents[1] / "siamesenorm"
 IDS = [5, 17, 99, 3, 50, 10, 7, 42]
+#: The newest transformers on PyPI when this was written, installed beside the pinned one by scripts/setup_env.sh
+#: (pyproject.toml, [tool.siamesenorm] transformers-newest): an export must generate right under both.
+NEWEST_TRANSFORMERS = Path(sys.prefix) / "transformers-newest"
+RELEASES = [pytest.param(None, id="pinned"), pytest.param(NEWEST_TRANSFORMERS, id="newest", marks=pytest.mark.skipif(
+    not (NEWEST_TRANSFORMERS / "transformers").is_dir(),
+    reason=f"the newest transformers is not in {NEWEST_TRANSFORMERS} (bash scripts/setup_env.sh puts it there)"))]
 
 # (MODEL_TYPE, overrides): every variant with its defaults, then the knobs and OLMo options that change the forward.
 CASES = [(m, {}) for m in MODEL_TYPES] + [
@@ -54,9 +63,14 @@ for folder in folders:
         logits = model(ids).logits
         greedy = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=True, eos_token_id=None,
                                 pad_token_id=0)
-    result[folder] = {"logits": logits, "greedy": greedy.tolist(), "class": type(model).__module__,
+        uncached = model.generate(ids, max_new_tokens=6, do_sample=False, use_cache=False, eos_token_id=None,
+                                  pad_token_id=0)
+    result[folder] = {"logits": logits, "greedy": greedy.tolist(), "uncached": uncached.tolist(),
+                      "class": type(model).__module__,
                       "missing": list(info["missing_keys"]), "unexpected": list(info["unexpected_keys"])}
 result["hidden"] = [m for m in sys.modules if m.split(".")[0] in ("siamesenorm", "olmo")]
+import transformers
+result["transformers"] = transformers.__version__
 result["refusal"] = refusal
 torch.save(result, sys.argv[3])
 """
@@ -84,9 +98,13 @@ def greedy(model, ids: torch.Tensor, n: int) -> list:
     return out.tolist()
 
 
-def load_alone(folders, tmp_path: Path) -> dict:
+def load_alone(folders, tmp_path: Path, transformers_folder: Optional[Path] = None) -> dict:
+    """Load each export in a Python that has neither siamesenorm nor ai2-olmo: the environment's transformers, or
+    the release installed in ``transformers_folder`` (first on the path)."""
     result = tmp_path / "result.pt"
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    if transformers_folder is not None:
+        env["PYTHONPATH"] = str(transformers_folder)
     env["HF_MODULES_CACHE"] = str(tmp_path / "hf-modules")  # a clean cache: no earlier test's copies
     proc = subprocess.run([sys.executable, "-c", _LOAD_ALONE, json.dumps([str(f) for f in folders]), json.dumps(IDS),
                            str(result)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
@@ -94,7 +112,8 @@ def load_alone(folders, tmp_path: Path) -> dict:
     return torch.load(result)
 
 
-def test_every_model_type_loads_with_transformers_alone_with_olmos_logits(tmp_path):
+@pytest.mark.parametrize("release", RELEASES)
+def test_every_model_type_loads_with_transformers_alone_with_olmos_logits(tmp_path, release):
     folders, references = [], []
     for i, (model_type, overrides) in enumerate(CASES):
         model = tiny_model(model_type, **overrides)
@@ -106,7 +125,9 @@ def test_every_model_type_loads_with_transformers_alone_with_olmos_logits(tmp_pa
         with torch.no_grad():
             references.append((model(torch.tensor([IDS])).logits, greedy(model, torch.tensor([IDS]), 6)))
         folders.append(folder)
-    got = load_alone(folders, tmp_path)
+    got = load_alone(folders, tmp_path, release)
+    want = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["siamesenorm"]["transformers-newest"]
+    assert (got["transformers"] == want.split("==")[1]) == (release is not None), got["transformers"]
     assert got["hidden"] == []  # neither package was imported in there
     assert got["refusal"] and "trust_remote_code" in got["refusal"]  # without it: the right fix, not "upgrade"
     for (model_type, overrides), folder, (logits, tokens) in zip(CASES, folders, references):
@@ -116,7 +137,41 @@ def test_every_model_type_loads_with_transformers_alone_with_olmos_logits(tmp_pa
         assert result["logits"].shape == logits.shape
         diff = (result["logits"] - logits).abs().max().item()
         assert diff <= 1e-6, (model_type, overrides, diff)
-        assert result["greedy"] == tokens, (model_type, overrides)
+        # greedy with the KV cache: equal to ours and to the same model's greedy without the cache
+        assert result["greedy"] == tokens == result["uncached"], (model_type, overrides, result, tokens)
+
+
+def test_the_releases_an_export_names_are_the_ones_tested():
+    pins = tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())
+    pinned = next(d for d in pins["project"]["dependencies"] if d.startswith("transformers=="))
+    newest = pins["tool"]["siamesenorm"]["transformers-newest"]
+    assert CHECKED_TRANSFORMERS == (pinned.split("==")[1], newest.split("==")[1])
+
+
+def test_arguments_the_export_cannot_honour_are_refused_not_dropped():
+    from transformers import DynamicCache
+
+    model = tiny_model("hybrid_pre")
+    hf = SiameseOlmoForCausalLM(SiameseOlmoConfig(olmo=model.config.asdict()), model=model).eval()
+    ids = torch.tensor([IDS])
+    with torch.no_grad():
+        first = hf(ids[:, :5], use_cache=True)
+        cache = first.past_key_values
+        assert cache.get_seq_length() == 5
+        # the cache under either name gives the same next logits as the whole sequence
+        full = hf(ids[:, :6]).logits[:, -1]
+        import copy
+        for name in ("cache", "past_key_values"):
+            step = hf(ids[:, 5:6], use_cache=True, **{name: copy.deepcopy(cache)})
+            assert (step.logits[:, -1] - full).abs().max().item() <= 1e-5, name
+        with pytest.raises(ValueError, match="not both"):
+            hf(ids[:, 5:6], cache=cache, past_key_values=cache)
+        with pytest.raises(TypeError, match="does not take inputs_embeds"):
+            hf(ids, inputs_embeds=torch.zeros(1, 8, 32))
+        with pytest.raises(ValueError, match="position_ids must run on from the cache's length"):
+            hf(ids[:, 5:6], cache=copy.deepcopy(cache), position_ids=torch.tensor([[0]]), use_cache=True)
+        assert hf(ids[:, 5:6], cache=copy.deepcopy(cache), position_ids=torch.tensor([[5]])).logits.shape == (1, 1, 128)
+        assert isinstance(hf(ids[:, :2], use_cache=True).past_key_values, DynamicCache)
 
 
 @pytest.mark.parametrize("model_type", MODEL_TYPES)

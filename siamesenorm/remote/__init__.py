@@ -26,7 +26,12 @@ from typing import Dict, List, Optional
 from .. import variants
 from .olmo_lite import unsupported
 
-__all__ = ["write_remote_code", "remote_refusal", "AUTO_MAP", "REWRITES", "check_imports"]
+__all__ = ["write_remote_code", "remote_refusal", "AUTO_MAP", "REWRITES", "check_imports", "CHECKED_TRANSFORMERS"]
+
+#: The transformers releases an export's remote code is tested under (tests/test_remote_code.py: greedy generation
+#: with the cache equal to generation without it, and to OLMo's): pyproject.toml's pin and its
+#: ``[tool.siamesenorm] transformers-newest``. An export's README and config.json name them.
+CHECKED_TRANSFORMERS = ("5.23.0", "5.24.0")
 
 PACKAGE = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent

@@ -21,6 +21,8 @@ from transformers.cache_utils import Cache, DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 HF_MODEL_TYPE = "siamesenorm_olmo"
+#: The output's cache field: ``cache`` from transformers 5.24, ``past_key_values`` before.
+_CACHE_FIELD = "cache" if "cache" in getattr(CausalLMOutputWithPast, "__dataclass_fields__", {}) else "past_key_values"
 
 __all__ = ["HF_MODEL_TYPE", "SiameseOlmoConfig", "SiameseOlmoForCausalLM"]
 
@@ -77,26 +79,49 @@ class SiameseOlmoForCausalLM(PreTrainedModel, GenerationMixin):
         self,
         input_ids: Optional[torch.LongTensor] = None,
         attention_mask: Optional[torch.Tensor] = None,
+        cache: Optional[Cache] = None,
         past_key_values: Optional[Cache] = None,
         use_cache: Optional[bool] = None,
         labels: Optional[torch.LongTensor] = None,
         return_dict: Optional[bool] = None,
+        position_ids: Optional[torch.LongTensor] = None,
         **kwargs,
     ) -> CausalLMOutputWithPast:
+        """The KV cache comes as ``cache`` (transformers 5.24 and later) or ``past_key_values`` (earlier releases);
+        either way it is read and extended. Positions are the cache's length onward (OLMo's RoPE), so
+        ``position_ids`` / ``cache_position`` are checked to say exactly that; any other argument that is not at
+        its default is refused (``TypeError``), never dropped."""
+        if cache is not None and past_key_values is not None:
+            raise ValueError("pass the KV cache as `cache` or as `past_key_values`, not both")
+        cache = cache if cache is not None else past_key_values
+        cache_position = kwargs.pop("cache_position", None)  # passed by releases before 5.24 (not named above, so
+        # that 5.24 does not warn that remote code expects it)
+        unsupported = sorted(k for k, v in kwargs.items() if v is not None and v is not False)
+        if unsupported:
+            raise TypeError(f"{type(self).__name__} (OLMo {self.config.variant}) does not take "
+                            f"{', '.join(unsupported)}; it takes input_ids, attention_mask, cache (or "
+                            "past_key_values), use_cache and labels")
+        if cache is not None and getattr(cache, "is_compileable", False):
+            raise ValueError(f"{type(self).__name__} supports transformers' dynamic KV cache only (the default), not "
+                             f"{type(cache).__name__}; drop cache_implementation")
+        n_past = cache.get_seq_length() if cache is not None else 0
+        for name, given in (("position_ids", position_ids), ("cache_position", cache_position)):
+            if given is not None and not torch.equal(
+                    given.reshape(-1, given.shape[-1]).cpu(),
+                    torch.arange(n_past, n_past + input_ids.shape[1]).expand(given.reshape(-1, given.shape[-1]).shape)):
+                raise ValueError(f"{name} must run on from the cache's length ({n_past}): this model places tokens "
+                                 "by their position in the sequence (left padding is not supported)")
         past = None
-        n_past = 0
-        if past_key_values is not None and past_key_values.get_seq_length() > 0:
-            past = [(layer.keys, layer.values) for layer in past_key_values.layers]
-            n_past = past_key_values.get_seq_length()
+        if n_past > 0:
+            past = [(layer.keys, layer.values) for layer in cache.layers]
         output = self.model(input_ids, attention_mask=attention_mask, past_key_values=past, use_cache=bool(use_cache))
         if use_cache:
-            if past_key_values is None:
-                past_key_values = DynamicCache()
+            if cache is None:
+                cache = DynamicCache()
             for layer, (k, v) in enumerate(output.attn_key_values):  # OLMo returns past + new; the cache adds new
-                past_key_values.update(k[:, :, n_past:], v[:, :, n_past:], layer)
+                cache.update(k[:, :, n_past:], v[:, :, n_past:], layer)
         loss = None
         if labels is not None:
             logits = output.logits[:, :-1].float()
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1), ignore_index=-100)
-        return CausalLMOutputWithPast(loss=loss, logits=output.logits,
-                                      past_key_values=past_key_values if use_cache else None)
+        return CausalLMOutputWithPast(loss=loss, logits=output.logits, **{_CACHE_FIELD: cache if use_cache else None})
