@@ -28,7 +28,8 @@ import contextlib
 import io
 import math
 import pickle
-import zipfile
+import pickletools
+import struct
 from collections import OrderedDict
 from pathlib import Path, PosixPath
 from typing import Any, BinaryIO, Callable, Dict, Optional
@@ -41,7 +42,7 @@ __all__ = ["UnsafeCheckpoint", "check_torch_file", "load", "allow_checkpoint_typ
            "load_olmo_safetensors", "checked_loads", "sharded_tensors_in_one_process", "unpickle_plain",
            "MAX_PICKLE_BYTES", "load_checkpoint_metadata", "checked_olmo_core_loads"]
 
-MAX_PICKLE_BYTES = 256 * 2**20  # a 1.3B model's FSDP rank file pickles to a few MB
+MAX_PICKLE_BYTES = 64 * 2**20  # a 1.3B model's FSDP rank file pickles to a few MB
 MAX_DIMS = 64
 
 _torch_load = torch.load  # the real one, also while checked_loads has replaced torch.load
@@ -93,17 +94,33 @@ _PROCESS_GROUP_STATE = _stub("ProcessGroupState")
 _MEM_FORMATS = ("TORCH_CONTIGUOUS_FORMAT", "TORCH_CHANNELS_LAST", "TORCH_PRESERVE_FORMAT")
 
 
-class _StorageType:
+class _NoBuild:
+    """A stand-in that a pickle's BUILD may not act on. On a real tensor torch's reader answers BUILD with
+    ``tensor.set_(*state)`` (a tuple's items, or a dict's keys), which re-views the tensor over any storage with any
+    size and stride: the checked view would not be the loaded one. torch.save never writes a BUILD on a tensor or a
+    storage (a tensor's attributes travel in _rebuild_from_type_v2's state argument)."""
+
+    def __setstate__(self, state):
+        raise _Refused(f"a BUILD step on a {self.what} (it would re-view the tensor after its check)")
+
+
+class _StorageType(_NoBuild):
+    what = "storage type"
+
     def __init__(self, dtype: torch.dtype):
         self.dtype = dtype
 
 
-class _Storage:
+class _Storage(_NoBuild):
+    what = "tensor storage"
+
     def __init__(self, dtype: torch.dtype, numel: int):
         self.dtype, self.numel = dtype, numel
 
 
-class _Tensor:
+class _Tensor(_NoBuild):
+    what = "tensor"
+
     def __init__(self, dtype: torch.dtype, shape: tuple):
         self.dtype, self.shape, self.state = dtype, shape, None
 
@@ -212,7 +229,14 @@ def _torch_allowed(bound: _ShardedBound) -> Dict[str, Any]:
     def from_type(func, new_type, args, state):
         if func not in (_rebuild_tensor, wrapper_subclass, _rebuild_parameter) or new_type not in (_TENSOR, _SHARDED):
             raise _Refused("a tensor rebuilt in an unknown way")
+        if not isinstance(args, tuple):
+            raise _Refused("a tensor rebuilt from arguments that are not a tuple")
+        if new_type is _TENSOR and state not in (None, {}) and not (isinstance(state, OrderedDict) and not state):
+            # a plain tensor's state is set attribute by attribute (``data`` among them: a second view)
+            raise _Refused("a plain tensor with attributes set after its rebuild")
         tensor = func(*args)
+        if not isinstance(tensor, _Tensor):
+            raise _Refused("a tensor rebuilt as something else")
         tensor.state = state
         return tensor
 
@@ -336,73 +360,245 @@ def _walk_shards(root: Any, bound: _ShardedBound) -> None:
 
 
 # ---- torch zip archives --------------------------------------------------------------------------------------------
-def _archive_prefix(archive: zipfile.ZipFile, name: str) -> str:
-    infos = archive.infolist()
-    if not infos:
+# One reading of the archive, the one torch's reader (miniz) makes: the end record in the file's last 22 bytes (a
+# zip64 locator and end record right before it when present), the central directory at the offset those records
+# give (no "prepended data" adjustment, which Python's zipfile makes and miniz does not), and each member's data
+# after its local header. The members, the central directory and the end records must tile the file exactly, from
+# byte 0 to the last, so no second archive can hide in a gap, an overlap, a comment or trailing bytes: every byte
+# torch reads is a byte checked here.
+_EOCD = struct.Struct("<4sHHHHIIH")
+_ZIP64_LOCATOR = struct.Struct("<4sIQI")
+_ZIP64_EOCD = struct.Struct("<4sQHHIIQQQQ")
+_CENTRAL = struct.Struct("<4sHHHHHHIIIHHHHHII")
+_LOCAL = struct.Struct("<4sHHHHHIIIHH")
+MAX_CENTRAL_BYTES = 64 * 2**20  # about 600,000 members
+
+
+def _zip64_fields(extra: bytes, wanted: int) -> list:
+    """The first ``wanted`` 8-byte values of a zip64 extended-information field (header 0x0001) in ``extra``."""
+    pos = 0
+    while pos + 4 <= len(extra):
+        tag, length = struct.unpack_from("<HH", extra, pos)
+        if tag == 1:
+            if length < 8 * wanted or pos + 4 + length > len(extra):
+                raise _Refused("an archive with a zip64 field too short for its sizes")
+            return list(struct.unpack_from(f"<{wanted}Q", extra, pos + 4))
+        pos += 4 + length
+    raise _Refused("an archive whose sizes point to a zip64 field that is not there")
+
+
+def read_archive(file: BinaryIO, size: int) -> Dict[str, tuple]:
+    """{member name: (offset of its data, its size)} of a torch zip archive, refused unless unambiguous (above)."""
+    if size < _EOCD.size:
+        raise _Refused("it is not a torch checkpoint (not a zip archive)")
+    file.seek(size - _EOCD.size)
+    sig, disk, cd_disk, n_disk, n_total, cd_size, cd_offset, comment = _EOCD.unpack(file.read(_EOCD.size))
+    if sig != b"PK\x05\x06":
+        raise _Refused("it is not a torch checkpoint (not a zip archive that ends with its end record, as torch "
+                       "writes them: no comment, nothing after it)")
+    if comment:
+        raise _Refused("an archive with a comment (torch writes none)")
+    end_of_cd = size - _EOCD.size
+    if end_of_cd >= _ZIP64_LOCATOR.size + _ZIP64_EOCD.size:
+        file.seek(end_of_cd - _ZIP64_LOCATOR.size)
+        lsig, ldisk, z_offset, _disks = _ZIP64_LOCATOR.unpack(file.read(_ZIP64_LOCATOR.size))
+        if lsig == b"PK\x06\x07":
+            if ldisk != 0 or z_offset != end_of_cd - _ZIP64_LOCATOR.size - _ZIP64_EOCD.size:
+                raise _Refused("an archive whose zip64 end record is not right before its locator")
+            file.seek(z_offset)
+            (zsig, rec_size, _, _, zdisk, zcd_disk, zn_disk, zn_total, zcd_size,
+             zcd_offset) = _ZIP64_EOCD.unpack(file.read(_ZIP64_EOCD.size))
+            if zsig != b"PK\x06\x06" or rec_size != _ZIP64_EOCD.size - 12:
+                raise _Refused("an archive with a malformed zip64 end record")
+            for short, full, mask in ((disk, zdisk, 0xFFFF), (cd_disk, zcd_disk, 0xFFFF), (n_disk, zn_disk, 0xFFFF),
+                                      (n_total, zn_total, 0xFFFF), (cd_size, zcd_size, 0xFFFFFFFF),
+                                      (cd_offset, zcd_offset, 0xFFFFFFFF)):
+                if short not in (full, mask):
+                    raise _Refused("an archive whose two end records disagree")
+            disk, cd_disk, n_disk, n_total, cd_size, cd_offset = zdisk, zcd_disk, zn_disk, zn_total, zcd_size, zcd_offset
+            end_of_cd = z_offset
+    if disk or cd_disk or n_disk != n_total:
+        raise _Refused("a multi-part archive")
+    if cd_offset + cd_size != end_of_cd:
+        raise _Refused("an archive with bytes between its central directory and its end record, or before its "
+                       "first member (two readers would see two archives)")
+    if cd_size > MAX_CENTRAL_BYTES or n_total * _CENTRAL.size > cd_size:
+        raise _Refused(f"an archive whose central directory claims {n_total:,d} members in {cd_size:,d} bytes")
+    file.seek(cd_offset)
+    central = file.read(cd_size)
+    entries, pos, lowered = [], 0, set()
+    for _ in range(n_total):
+        if pos + _CENTRAL.size > len(central):
+            raise _Refused("an archive whose central directory is cut short")
+        (csig, _, _, flags, method, _, _, _, csize, usize, nlen, elen, clen, _, _, _,
+         local) = _CENTRAL.unpack_from(central, pos)
+        name = central[pos + _CENTRAL.size:pos + _CENTRAL.size + nlen]
+        extra = central[pos + _CENTRAL.size + nlen:pos + _CENTRAL.size + nlen + elen]
+        pos += _CENTRAL.size + nlen + elen + clen
+        if csig != b"PK\x01\x02" or pos > len(central):
+            raise _Refused("an archive with a malformed central directory")
+        wide = [v for v in (usize, csize, local) if v == 0xFFFFFFFF]
+        if wide:
+            values = iter(_zip64_fields(extra, len(wide)))
+            usize, csize, local = (next(values) if v == 0xFFFFFFFF else v for v in (usize, csize, local))
+        try:
+            text = name.decode("ascii")
+        except UnicodeDecodeError:
+            raise _Refused("an archive with a member name that is not ASCII") from None
+        if method != 0 or csize != usize:
+            raise _Refused(f"a compressed member {text} (torch stores every member uncompressed)")
+        if flags & 0x41:
+            raise _Refused(f"an encrypted member {text}")
+        if text.lower() in lowered:  # torch's reader looks names up without regard to case
+            raise _Refused("an archive with two members of the same name")
+        lowered.add(text.lower())
+        entries.append((local, text, name, flags, usize))
+    if pos != len(central):
+        raise _Refused("an archive whose central directory holds more than its members")
+    members: Dict[str, tuple] = {}
+    at = 0
+    entries.sort()
+    for i, (local, text, name, flags, usize) in enumerate(entries):
+        if local != at:
+            raise _Refused(f"an archive with bytes before, between or shared by its members (at {at:,d}; {text} at "
+                           f"{local:,d})")
+        file.seek(local)
+        header = file.read(_LOCAL.size)
+        if len(header) < _LOCAL.size:
+            raise _Refused("an archive cut short")
+        lsig, _, lflags, lmethod, _, _, _, _, _, lnlen, lelen = _LOCAL.unpack(header)
+        if lsig != b"PK\x03\x04" or lmethod != 0 or lflags != flags or file.read(lnlen) != name:
+            raise _Refused(f"an archive whose local header of {text} disagrees with its central directory")
+        start = local + _LOCAL.size + lnlen + lelen
+        at = start + usize
+        if at > cd_offset:
+            raise _Refused(f"a member {text} that runs into the central directory")
+        if flags & 0x08:  # a data descriptor follows: [signature] crc, sizes (4 or 8 bytes each) equal to usize
+            following = entries[i + 1][0] if i + 1 < len(entries) else cd_offset
+            file.seek(at)
+            tail = file.read(24)
+            sig = 4 if tail[:4] == b"PK\x07\x08" else 0
+            lengths = {sig + 4 + 2 * w for w, fmt in ((4, "<2I"), (8, "<2Q"))
+                       if len(tail) >= sig + 4 + 2 * w and struct.unpack_from(fmt, tail, sig + 4) == (usize, usize)}
+            if following - at not in lengths:
+                raise _Refused(f"an archive with bytes after member {text} that are not its data descriptor")
+            at = following
+        members[text] = (start, usize)
+    if at != cd_offset:
+        raise _Refused("an archive with bytes between its last member and its central directory")
+    return members
+
+
+def _archive_prefix(names: list) -> str:
+    if not names:
         raise _Refused("an empty archive")
-    names = [i.filename for i in infos]
-    if len(set(names)) != len(names):
-        raise _Refused("an archive with two members of the same name")
     prefix = names[0].split("/", 1)[0]
     if any(not n.startswith(prefix + "/") for n in names):
         raise _Refused("an archive whose members are not in one folder")
     if f"{prefix}/data.pkl" not in names:
         raise _Refused("no data.pkl in the archive")
-    for info in infos:
-        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
-            raise _Refused(f"a compressed member {info.filename} (torch stores every member uncompressed)")
     return prefix
 
 
 def check_torch_file(file: BinaryIO, name: str, sharded_limit: Optional[int] = None) -> None:
     """Raise UnsafeCheckpoint (naming ``name``) unless ``file`` is a torch checkpoint made only of what the allow-list
     names, with every size within what the file holds (module docstring). Reads the file; allocates at most its
-    pickle. ``sharded_limit``: the bytes a sharded tensor may claim (default: this file's size)."""
+    pickle and ``CHECK_BYTES_PER_PICKLE_BYTE`` times its size. ``sharded_limit``: the bytes a sharded tensor may
+    claim (default: this file's size)."""
     try:
         file.seek(0, io.SEEK_END)
         size = file.tell()
-        file.seek(0)
-        try:
-            archive = zipfile.ZipFile(file)
-        except zipfile.BadZipFile:
-            raise _Refused("it is not a torch checkpoint (not a zip archive)") from None
-        with archive:
-            prefix = _archive_prefix(archive, name)
-            info = archive.getinfo(f"{prefix}/data.pkl")
-            if info.file_size > MAX_PICKLE_BYTES:
-                raise _Refused(f"its pickle has {info.file_size:,d} bytes (at most {MAX_PICKLE_BYTES:,d})")
-            data = archive.read(info)
-            storages: Dict[str, _Storage] = {}
+        members = read_archive(file, size)
+        names = sorted(members, key=lambda n: members[n][0])  # torch's archive folder: the first member's
+        prefix = _archive_prefix(names)
+        start, length = members[f"{prefix}/data.pkl"]
+        if length > MAX_PICKLE_BYTES:
+            raise _Refused(f"its pickle has {length:,d} bytes (at most {MAX_PICKLE_BYTES:,d})")
+        file.seek(start)
+        data = file.read(length)
+        prescan_pickle(data)
+        storages: Dict[str, _Storage] = {}
 
-            def storage(pid):
-                if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
-                        and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)
-                        and isinstance(pid[4], int) and pid[4] >= 0):
-                    raise _Refused("a tensor storage reference of an unknown form")
-                _, kind, key, _, numel = pid
-                member = f"{prefix}/data/{key}"
-                try:
-                    stored = archive.getinfo(member).file_size
-                except KeyError:
-                    raise _Refused(f"a storage {key!r} that the archive does not hold") from None
-                if stored != numel * kind.dtype.itemsize:
-                    raise _Refused(f"storage {key!r} claims {numel:,d} elements of {kind.dtype} but holds {stored:,d} "
-                                   "bytes")
-                found = storages.setdefault(key, _Storage(kind.dtype, numel))
-                if found.dtype != kind.dtype or found.numel != numel:
-                    raise _Refused(f"storage {key!r} is used with two different types")
-                return found
+        def storage(pid):
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"
+                    and isinstance(pid[1], _StorageType) and isinstance(pid[2], str)
+                    and isinstance(pid[4], int) and pid[4] >= 0):
+                raise _Refused("a tensor storage reference of an unknown form")
+            _, kind, key, _, numel = pid
+            member = f"{prefix}/data/{key}"
+            if member not in members:
+                raise _Refused(f"a storage {key!r} that the archive does not hold")
+            stored = members[member][1]
+            if stored != numel * kind.dtype.itemsize:
+                raise _Refused(f"storage {key!r} claims {numel:,d} elements of {kind.dtype} but holds {stored:,d} "
+                               "bytes")
+            found = storages.setdefault(key, _Storage(kind.dtype, numel))
+            if found.dtype != kind.dtype or found.numel != numel:
+                raise _Refused(f"storage {key!r} is used with two different types")
+            return found
 
-            bound = _ShardedBound(sharded_limit if sharded_limit is not None else size)
-            result = _Unpickler(data, _torch_allowed(bound), storage).load()
-            _walk_shards(result, bound)
+        bound = _ShardedBound(sharded_limit if sharded_limit is not None else size)
+        result = _Unpickler(data, _torch_allowed(bound), storage).load()
+        _walk_shards(result, bound)
     except _Refused as why:
         raise UnsafeCheckpoint(f"refusing to load {name}: {why}; nothing in it was run. Use checkpoints written by "
                                "this project's training, or convert the file where you trust it.") from None
-    except (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, ValueError, TypeError, AttributeError, IndexError,
-            KeyError, RecursionError, OverflowError, MemoryError, UnicodeDecodeError) as err:
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
+            KeyError, RecursionError, OverflowError, MemoryError, UnicodeDecodeError, struct.error) as err:
         raise UnsafeCheckpoint(f"refusing to load {name}: it is not a readable torch checkpoint "
-                               f"({type(err).__name__}: {str(err)[:120]}); nothing in it was run.") from None
+                               f"({type(err).__name__}: {_plain(err)}); nothing in it was run.") from None
+
+
+# ---- the checker's own memory --------------------------------------------------------------------------------------
+#: What one opcode may cost the unpickler that runs after this scan, in bytes, by what it makes: a stack slot for
+#: anything it pushes (48: also covers the object's slot in a dict or list it later moves into), plus the object.
+#: Each is above what tracemalloc measures for a pickle made of that opcode alone (an empty dict a byte: 89 bytes
+#: a byte; a stand-in made by REDUCE: 28 bytes a byte of its four opcodes), so their sum bounds the checker.
+_OP_COST = {**{op: 8 for op in ("NONE", "NEWTRUE", "NEWFALSE", "EMPTY_TUPLE", "MARK", "POP", "POP_MARK", "FRAME",
+                                "PROTO", "STOP", "APPEND", "APPENDS", "SETITEM", "SETITEMS", "ADDITEMS")},
+            **{op: 16 for op in ("PUT", "BINPUT", "LONG_BINPUT", "MEMOIZE")},  # a memo slot, doubled on growth
+            **{op: 48 + 112 for op in ("EMPTY_DICT", "EMPTY_LIST", "EMPTY_SET", "DICT", "LIST", "TUPLE", "TUPLE1",
+                                       "TUPLE2", "TUPLE3", "FROZENSET")},
+            **{op: 48 + 128 for op in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "BUILD", "GLOBAL", "STACK_GLOBAL",
+                                       "BINPERSID", "PERSID", "INST", "OBJ", "EXT1", "EXT2", "EXT4")}}
+#: The most the checker may spend a byte of pickle (``prescan_pickle``). Pickles torch and OLMo write cost 9-25
+#: (tests/test_untrusted.py measures them); a pickle of the cheapest object-making opcodes would cost 160.
+CHECK_BYTES_PER_PICKLE_BYTE = 96
+
+
+def prescan_pickle(data: bytes) -> None:
+    """Before any unpickling: the memo is dense (an index is at most one past the highest before it, so the C
+    unpickler's memo array stays within twice the number of memo writes) and what the opcodes make is within
+    ``CHECK_BYTES_PER_PICKLE_BYTE`` times the pickle's size. Streams the opcodes; keeps nothing of them."""
+    cost, memo = 0, 0
+    for op, arg, _ in pickletools.genops(io.BytesIO(data)):
+        name = op.name
+        if name in ("PUT", "BINPUT", "LONG_BINPUT"):
+            if arg > memo:
+                raise _Refused(f"a memo index {arg:,d} beyond the {memo:,d} objects stored before it")
+            memo = max(memo, arg + 1)
+        elif name == "MEMOIZE":
+            memo += 1
+        elif name in ("GET", "BINGET", "LONG_BINGET") and arg >= memo:
+            raise _Refused(f"a memo index {arg:,d} that nothing was stored under")
+        if isinstance(arg, (str, bytes, bytearray)):
+            cost += 48 + 64 + 2 * len(arg)
+        elif isinstance(arg, int) and not isinstance(arg, bool) and name.startswith("LONG") and "GET" not in name \
+                and "PUT" not in name:
+            cost += 48 + 32 + arg.bit_length() // 8
+        else:
+            cost += _OP_COST.get(name, 48 + 32)
+    if cost > CHECK_BYTES_PER_PICKLE_BYTE * len(data):
+        raise _Refused(f"a pickle of {len(data):,d} bytes whose opcodes would make about {cost:,d} bytes of objects "
+                       f"(at most {CHECK_BYTES_PER_PICKLE_BYTE} a byte)")
+
+
+def _plain(err: BaseException) -> str:
+    """An exception's text, one line of at most 120 characters, with no advice to turn a safety check off."""
+    text = " ".join(str(err).split())
+    if "weights_only" in text or "trust_remote_code" in text or "safe_globals" in text:
+        return "refused by torch's restricted reader"
+    return text[:120]
 
 
 def sharded_limit(path: Path) -> int:
@@ -421,12 +617,21 @@ def load(path, map_location=None, **_ignored):
         path = Path(path)
         with open(path, "rb") as f:
             check_torch_file(f, str(path), sharded_limit(path))
-            f.seek(0)
-            return _torch_load(f, map_location=map_location, weights_only=True)
-    name = getattr(path, "name", "a checkpoint stream")
-    check_torch_file(path, str(name))
-    path.seek(0)
-    return _torch_load(path, map_location=map_location, weights_only=True)
+            return _second_read(f, str(path), map_location)
+    name = str(getattr(path, "name", "a checkpoint stream"))
+    check_torch_file(path, name)
+    return _second_read(path, name, map_location)
+
+
+def _second_read(file: BinaryIO, name: str, map_location):
+    """torch's own read of a checked file; whatever it refuses is the same one-line refusal (torch's text advises
+    ``weights_only=False``, which this project never suggests)."""
+    file.seek(0)
+    try:
+        return _torch_load(file, map_location=map_location, weights_only=True)
+    except Exception as err:  # torch's reader raises several classes (UnpicklingError, RuntimeError, ...)
+        raise UnsafeCheckpoint(f"refusing to load {name}: torch's restricted reader refused it after our check "
+                               f"({type(err).__name__}: {_plain(err)}); nothing in it was run.") from None
 
 
 # ---- torch's own allow-list, for the second read -------------------------------------------------------------------

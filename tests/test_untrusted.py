@@ -9,10 +9,12 @@ import os
 import pathlib
 import pickle
 import shutil
+import struct
 import subprocess
 import sys
 import warnings
 import zipfile
+from collections import OrderedDict
 from pathlib import Path
 
 import numpy as np
@@ -276,3 +278,159 @@ def test_yaml_aliases_and_oversized_configs_are_refused(tmp_path):
     plain = tmp_path / "plain.yaml"
     plain.write_text("model:\n  d_model: 64\n  name: '$ not an interpolation'\n")
     check_saved_yaml(plain)  # accepted
+
+
+# ---- 4. issue 39: one archive, no re-view, a bounded checker, one-line refusals -------------------------------------
+def _stored_zip(members: dict) -> bytes:
+    """A zip archive of ``members`` (name -> bytes) as Python's zipfile writes it: stored, no end-record zip64."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as zf:
+        for name, body in members.items():
+            zf.writestr(name, body)
+    return out.getvalue()
+
+
+def _saved_members(obj) -> dict:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with zipfile.ZipFile(buf) as zf:
+        return {info.filename: zf.read(info) for info in zf.infolist()}
+
+
+def _split(raw: bytes) -> tuple:
+    """(members' bytes, central directory, entry count) of an archive that ``_stored_zip`` wrote."""
+    end = raw.rindex(b"PK\x05\x06")
+    _, _, _, _, count, size, offset, _ = struct.unpack("<4sHHHHIIH", raw[end:end + 22])
+    return raw[:offset], raw[offset:offset + size], count
+
+
+def two_readers(benign, hostile) -> bytes:
+    """One file, two archives: Python's zipfile (the old check's reader) finds torch.save(benign), torch's own reader
+    torch.save(hostile). zipfile shifts every offset by the bytes it finds before the central directory; torch's
+    reader takes the offsets as written. The end record's offsets point at the hostile central directory placed
+    where the benign archive's central directory would begin."""
+    hm, hc, count = _split(_stored_zip(_saved_members(hostile)))
+    bm, bc, _ = _split(_stored_zip(_saved_members(benign)))
+    assert len(hm) <= len(bm) and len(hc) <= len(bc)
+    body = hm + b"\0" * (len(bm) - len(hm)) + hc + b"\0" * (len(bc) - len(hc)) + bm + bc
+    return body + struct.pack("<4sHHHHIIH", b"PK\x05\x06", 0, 0, count, count, len(bc), len(bm), 0)
+
+
+def test_an_archive_that_two_readers_read_differently_is_refused(tmp_path):
+    padding = {f"padding-{i:04d}-" + "x" * 40: torch.zeros(64) for i in range(8)}
+    path = tmp_path / "model.pt"
+    path.write_bytes(two_readers({"w": torch.zeros(4), **padding}, {"w": torch.full((4,), 7.0)}))
+    with zipfile.ZipFile(path) as zf:  # the reader the old check used: the benign archive, 10 tensors
+        assert sum("/data/" in n for n in zf.namelist()) == 9
+    assert torch.load(path, weights_only=True)["w"].tolist() == [7.0] * 4  # torch: the other archive
+    with pytest.raises(UnsafeCheckpoint, match="two readers would see two archives"):
+        load(path)
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.arange(3.0)}, good)
+    raw = good.read_bytes()
+    for name, crafted, why in [
+            ("prepended", b"\0" * 64 + raw, "zip64 end record is not right before its locator"),
+            ("prepended-plain", b"\0" * 64 + _stored_zip(_saved_members({})), "two readers would see two archives"),
+            ("trailing", raw + b"\0", "not a zip archive that ends with its end record"),
+            ("comment", raw[:-2] + b"\x01\x00x", "not a zip archive that ends with its end record"),
+            ("case", _stored_zip({"archive/data.pkl": _saved_members({})["archive/data.pkl"],
+                                  "archive/DATA.pkl": b"x"}), "two members of the same name")]:
+        (tmp_path / name).write_bytes(crafted)
+        with pytest.raises(UnsafeCheckpoint, match=why):
+            load(tmp_path / name)
+    assert load(good)["w"].tolist() == [0.0, 1.0, 2.0]  # torch's own layout: zip64 records, data descriptors
+    assert load(io.BytesIO(_stored_zip(_saved_members({"w": torch.ones(2)}))))["w"].tolist() == [1.0, 1.0]
+
+
+class _ReView:
+    """Pickles as an honest two-element tensor, then a BUILD with a dict state: torch's reader calls
+    ``tensor.set_(*state)`` with the dict's keys (storage, 0, (n,), (0,)): n elements over 8 bytes."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __reduce__(self):
+        t = torch.arange(2.0)
+        storage = torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
+        return (torch._utils._rebuild_tensor_v2, (storage, 0, (2,), (1,), False, OrderedDict()),
+                {storage: None, 0: None, (self.n,): None, (0,): None})
+
+
+def test_a_build_step_that_re_views_a_checked_tensor_is_refused(tmp_path):
+    path = tmp_path / "optim.pt"
+    torch.save({"state": {0: {"exp_avg": _ReView(4_000_000_000)}}}, path)
+    assert path.stat().st_size < 2048
+    revived = torch.load(path, weights_only=True)["state"][0]["exp_avg"]  # live: torch alone re-views it
+    assert revived.shape == (4_000_000_000,) and revived.untyped_storage().nbytes() == 8
+    with pytest.raises(UnsafeCheckpoint, match="a BUILD step on a tensor"):
+        load(path)
+
+
+def test_a_memo_index_far_beyond_the_pickle_is_refused_in_bounded_memory(tmp_path):
+    path = torch_zip(tmp_path / "model.pt", b"\x80\x04N" + b"r" + struct.pack("<I", 2**31) + b".")
+    rss, out = peak_rss_mb(f"from siamesenorm.safeload import load\ntry:\n    load({str(path)!r})\n"
+                           "except Exception as e: print('REFUSED', e)")
+    assert "REFUSED" in out and "a memo index 2,147,483,648 beyond the 0 objects stored before it" in out, out
+    assert rss < 1000, f"peak RSS {rss} MB"
+
+
+def _dicts_and_floats(dicts: int, units: int) -> bytes:
+    """A list of ``units`` x (``dicts`` empty dicts and a float): the cheapest objects a byte makes."""
+    unit = b"}" * dicts + b"G" + struct.pack(">d", 1.5)
+    return b"\x80\x04](" + unit * units + b"e."
+
+
+def test_the_checker_spends_at_most_its_bound_per_byte_of_pickle(tmp_path):
+    import tracemalloc
+
+    from siamesenorm.safeload import CHECK_BYTES_PER_PICKLE_BYTE, MAX_PICKLE_BYTES, prescan_pickle
+
+    prescan_pickle(_saved_members({"model": {f"w{i}": torch.zeros(3) for i in range(50)}, "step": 3,
+                                   "x": [1.5] * 20})["archive/data.pkl"])  # an ordinary pickle: accepted
+    at_limit = _dicts_and_floats(12, 100_000)  # 12 x 160 + 80 = 2,000 of 21 x 96 = 2,016 a unit
+    over = _dicts_and_floats(14, 100_000)
+    for data, accepted in ((at_limit, True), (over, False)):
+        path = torch_zip(tmp_path / f"pickle-{accepted}.pt", data)
+        tracemalloc.start()
+        try:
+            with open(path, "rb") as f:
+                if accepted:
+                    check_torch_file(f, "crafted")
+                else:
+                    with pytest.raises(UnsafeCheckpoint, match="would make about"):
+                        check_torch_file(f, "crafted")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert peak <= CHECK_BYTES_PER_PICKLE_BYTE * len(data) + 2**20, (accepted, peak / len(data))
+        if not accepted:  # refused by the scan, before any object is made: the pickle itself and little more
+            assert peak <= 2 * len(data) + 2**20, peak / len(data)
+    assert MAX_PICKLE_BYTES * CHECK_BYTES_PER_PICKLE_BYTE <= 8 * 2**30  # the checker's worst case, for any file
+
+
+def _substituted(source: Path, old: bytes, new: bytes, out: Path) -> Path:
+    """``source`` rewritten with ``old`` replaced by ``new`` in its pickle."""
+    with zipfile.ZipFile(source) as zf:
+        members = {info.filename: zf.read(info) for info in zf.infolist()}
+    pkl = next(n for n in members if n.endswith("data.pkl"))
+    assert old in members[pkl]
+    members[pkl] = members[pkl].replace(old, new)
+    out.write_bytes(_stored_zip(members))
+    return out
+
+
+def test_what_torch_refuses_after_our_check_is_one_line_without_weights_only_advice(tmp_path):
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.arange(3.0)}, good)
+    crafted = _substituted(good, b"\x03\x00\x00\x00cpu", b"\x03\x00\x00\x00xla", tmp_path / "crafted.pt")
+    with pytest.raises(RuntimeError, match="don't know how to restore data location"):  # torch alone: its error
+        torch.load(crafted, weights_only=True)
+    with pytest.raises(UnsafeCheckpoint) as refused:
+        load(crafted)
+    message = str(refused.value)
+    assert message.startswith(f"refusing to load {crafted}: torch's restricted reader refused it after our check")
+    assert "\n" not in message and "weights_only" not in message
+    from siamesenorm.safeload import _plain
+
+    assert _plain(RuntimeError("Weights only load failed.\nRe-running `torch.load` with `weights_only` set to "
+                               "`False` will likely succeed")) == "refused by torch's restricted reader"
