@@ -110,6 +110,15 @@ Examples:
         if os.environ.get("RANK", "0") == "0":  # under torchrun every rank sees the same problem: say it once
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except BaseException as e:  # torch.distributed.checkpoint wraps a refused item in a CheckpointException
+        from .safeload import refusal_inside
+
+        refused = refusal_inside(e)
+        if refused is None:
+            raise
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {refused}", file=sys.stderr)
+        sys.exit(2)
 
 
 def prepare_data_main(argv=None) -> None:

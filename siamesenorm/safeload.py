@@ -29,6 +29,7 @@ import io
 import math
 import pickle
 import pickletools
+import stat
 import struct
 from collections import OrderedDict
 from pathlib import Path, PosixPath
@@ -40,7 +41,8 @@ import torch
 
 __all__ = ["UnsafeCheckpoint", "check_torch_file", "load", "allow_checkpoint_types", "sharded_limit",
            "load_olmo_safetensors", "checked_loads", "sharded_tensors_in_one_process", "unpickle_plain",
-           "MAX_PICKLE_BYTES", "load_checkpoint_metadata", "checked_olmo_core_loads"]
+           "MAX_PICKLE_BYTES", "load_checkpoint_metadata", "checked_olmo_core_loads", "check_checkpoint_metadata",
+           "refusal_inside", "prescan_pickle", "read_archive", "CHECK_BYTES_PER_PICKLE_BYTE"]
 
 MAX_PICKLE_BYTES = 64 * 2**20  # a 1.3B model's FSDP rank file pickles to a few MB
 MAX_DIMS = 64
@@ -798,31 +800,162 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def load_checkpoint_metadata(file: BinaryIO, name: Optional[str] = None):
     """A distributed checkpoint's ``.metadata`` (a pickle written by torch.distributed.checkpoint), unpickled with
-    only the metadata classes allowed (``_DCP_METADATA_NAMES``) and at most ``MAX_PICKLE_BYTES`` read."""
+    only the metadata classes allowed (``_DCP_METADATA_NAMES``) and at most ``MAX_PICKLE_BYTES`` read, then checked
+    field by field (``check_checkpoint_metadata``; the reader checks the files it names, ``checked_olmo_core_loads``)."""
     name = name or str(getattr(file, "name", "a checkpoint's .metadata"))
     data = file.read(MAX_PICKLE_BYTES + 1)
     try:
         if len(data) > MAX_PICKLE_BYTES:
             raise _Refused(f"it is larger than {MAX_PICKLE_BYTES:,d} bytes")
-        return _MetadataUnpickler(io.BytesIO(data)).load()
+        prescan_pickle(data)
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+        check_checkpoint_metadata(metadata)
+        return metadata
     except _Refused as why:
         raise UnsafeCheckpoint(f"refusing to load {name}: {why}; nothing in it was run.") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError, KeyError,
-            RecursionError, MemoryError, UnicodeDecodeError) as err:
+            RecursionError, MemoryError, UnicodeDecodeError, OverflowError) as err:
         raise UnsafeCheckpoint(f"refusing to load {name}: it is not a readable checkpoint metadata file "
-                               f"({type(err).__name__}); nothing in it was run.") from None
+                               f"({type(err).__name__}: {_plain(err)}); nothing in it was run.") from None
+
+
+MAX_CHECKPOINT_ITEMS = 10_000_000
+
+
+def check_checkpoint_metadata(metadata: Any, folder: Optional[Path] = None) -> None:
+    """Raise _Refused unless ``metadata`` is a ``torch.distributed.checkpoint`` Metadata whose every field has its
+    type, whose tensor chunks lie inside their tensors, and whose every storage entry names a file by a plain name
+    with a non-negative offset and length; with ``folder`` (a local checkpoint), a regular file inside ``folder``
+    (no link out, no device or FIFO) with the offset and length inside it, and no tensor larger than the files.
+    Only then does OLMo-core's reader open a file or read a byte that the metadata names."""
+    import torch.distributed.checkpoint.metadata as dcp
+
+    from olmo_core.distributed.checkpoint.filesystem import _StorageInfo as CoreInfo
+    from torch.distributed.checkpoint.filesystem import _StorageInfo as TorchInfo
+
+    if type(metadata) is not dcp.Metadata:
+        raise _Refused(f"its metadata is a {type(metadata).__name__}, not a checkpoint's Metadata")
+    items, storage = metadata.state_dict_metadata, metadata.storage_data
+    if type(items) is not dict or type(storage) is not dict or len(items) + len(storage) > MAX_CHECKPOINT_ITEMS:
+        raise _Refused("its metadata's item tables are not tables of a checkpoint's size")
+    if not (metadata.planner_data is None or type(metadata.planner_data) is dict):
+        raise _Refused("its metadata's planner data is not a table")
+    for key, value in (metadata.planner_data or {}).items():
+        if type(key) is not str or not (type(value) is tuple and all(type(v) in (str, int) for v in value)):
+            raise _Refused(f"its planner entry {str(key)[:80]!r} is not a path of names")
+    if not (metadata.storage_meta is None or type(metadata.storage_meta) is dcp.StorageMeta) or not (
+            metadata.version is None or type(metadata.version) is str):
+        raise _Refused("its metadata's storage record or version is of the wrong type")
+    root = folder.resolve() if folder is not None else None
+    sizes: Dict[str, int] = {}
+    for index, info in storage.items():
+        if type(index) is not dcp.MetadataIndex or type(info) not in (CoreInfo, TorchInfo):
+            raise _Refused("a storage entry that is not a (MetadataIndex, _StorageInfo) pair")
+        path, offset, length = info.relative_path, info.offset, info.length
+        if type(path) is not str or type(offset) is not int or type(length) is not int or offset < 0 or length < 0:
+            raise _Refused(f"a storage entry of {str(index.fqn)[:80]!r} with a path, offset or length of the wrong "
+                           "type or sign")
+        if path in sizes:
+            pass
+        elif "\0" in path or "/" in path or "\\" in path or path in ("", ".", ".."):
+            raise _Refused(f"a storage entry that names {path[:120]!r}, outside the checkpoint folder")
+        elif folder is None:
+            sizes[path] = -1  # a remote folder: the name is plain; the byte range is what the reader asks for
+        else:
+            target = (root / path).resolve()
+            if not target.is_relative_to(root) or target == root:
+                raise _Refused(f"a storage entry that names {path[:120]!r}, outside the checkpoint folder")
+            try:
+                mode = target.stat()
+            except OSError:
+                raise _Refused(f"a storage entry that names {path[:120]!r}, which the folder does not hold") from None
+            if not stat.S_ISREG(mode.st_mode):
+                raise _Refused(f"a storage entry that names {path[:120]!r}, which is not a regular file")
+            sizes[path] = mode.st_size
+        if sizes[path] >= 0 and offset + length > sizes[path]:
+            raise _Refused(f"a storage entry that reads bytes {offset:,d}-{offset + length:,d} of {path!r}, which "
+                           f"holds {sizes[path]:,d} (a cut or altered file)")
+    total = sum(sizes.values())
+    for key, item in items.items():
+        if type(key) is not str:
+            raise _Refused("an item name that is not text")
+        if type(item) is dcp.BytesStorageMetadata:
+            continue
+        if type(item) is not dcp.TensorStorageMetadata or type(item.properties) is not dcp.TensorProperties \
+                or item.properties.dtype not in _TORCH_DTYPES or type(item.chunks) is not list:
+            raise _Refused(f"item {key[:80]!r} is not a plain tensor's metadata")
+        dims = _dims(item.size, "tensor size")
+        if folder is not None and math.prod(dims) * item.properties.dtype.itemsize > total:
+            raise _Refused(f"item {key[:80]!r} claims {math.prod(dims):,d} elements, more than the folder's files "
+                           "hold")
+        for chunk in item.chunks:
+            if type(chunk) is not dcp.ChunkStorageMetadata:
+                raise _Refused(f"item {key[:80]!r} has a chunk that is not a chunk")
+            offsets, extent = _dims(chunk.offsets, "chunk offset"), _dims(chunk.sizes, "chunk size")
+            if not (len(offsets) == len(extent) == len(dims)) or any(o + e > d for o, e, d in
+                                                                     zip(offsets, extent, dims)):
+                raise _Refused(f"item {key[:80]!r} has a chunk outside its tensor")
 
 
 @contextlib.contextmanager
 def checked_olmo_core_loads():
     """While OLMo-core's Trainer restores a checkpoint: every ``torch.load`` (the trainer state of each rank, every
     tensor and bytes item of the distributed checkpoint; OLMo-core and torch call it with ``weights_only=False``)
-    goes through ``load``, and the ``.metadata`` pickle through ``load_checkpoint_metadata``."""
+    goes through ``load``, the ``.metadata`` pickle through ``load_checkpoint_metadata`` (its storage entries
+    checked against the folder before any is opened), and each item's bytes are checked where they are read, so a
+    refusal names the file and the byte range."""
     import olmo_core.distributed.checkpoint.filesystem as core_fs
 
     class _Pickle:  # what OLMo-core's checkpoint reader calls as ``pickle``
         dump = staticmethod(pickle.dump)
         load = staticmethod(load_checkpoint_metadata)
 
-    with _swapped((torch, "load", load), (core_fs, "pickle", _Pickle)):
+    from olmo_core.io import is_url
+
+    reader = core_fs.RemoteFileSystemReader
+    original_content, original_metadata, original_read = (reader._get_content_for_read, reader.read_metadata,
+                                                          reader.read_data)
+
+    def checked_metadata(self):
+        metadata = original_metadata(self)
+        local = not is_url(str(self.path))
+        try:
+            check_checkpoint_metadata(metadata, Path(self.path) if local else None)
+        except _Refused as why:
+            raise UnsafeCheckpoint(f"refusing to load {self.path}/.metadata: {why}; nothing in it was run.") from None
+        return metadata
+
+    def checked_read(self, plan, planner):
+        if not is_url(str(self.path)):  # local files one at a time: a refusal stops the reading without a thread
+            self.thread_count = 0       # left to fail on the closed pool
+        return original_read(self, plan, planner)
+
+    def checked_content(self, read_item):
+        item, content = original_content(self, read_item)
+        info = self.storage_data[read_item.storage_index]
+        check_torch_file(io.BytesIO(content), f"{self.path}/{info.relative_path} (bytes {info.offset:,d}-"
+                                              f"{info.offset + info.length:,d}, item {read_item.storage_index.fqn})")
+        return item, content
+
+    with _swapped((torch, "load", load), (core_fs, "pickle", _Pickle), (reader, "_get_content_for_read",
+                                                                        checked_content),
+                  (reader, "read_metadata", checked_metadata), (reader, "read_data", checked_read)):
         yield
+
+
+def refusal_inside(error: BaseException) -> Optional["UnsafeCheckpoint"]:
+    """The UnsafeCheckpoint that ``error`` carries: itself, its cause or context, or one of the per-rank failures a
+    torch.distributed.checkpoint ``CheckpointException`` wraps; None if there is none."""
+    stack, seen = [error], set()
+    while stack:
+        err = stack.pop()
+        if err is None or id(err) in seen:
+            continue
+        seen.add(id(err))
+        if isinstance(err, UnsafeCheckpoint):
+            return err
+        stack += [err.__cause__, err.__context__]
+        failures = getattr(err, "failures", None)
+        if isinstance(failures, dict):
+            stack += [pair[0] if isinstance(pair, tuple) and pair else pair for pair in failures.values()]
+    return None

@@ -169,3 +169,76 @@ def test_a_1b_recipe_maps_to_what_it_states(monkeypatch, austen_prepared):
     with pytest.raises(ValueError, match="maps fp32 and amp_bf16"):
         build_components(load_config("configs/tiny-cpu.yaml", ["--precision=amp_fp16",
                                                                "--save_folder=/tmp/unused-core-tiny"]))
+
+
+@pytest.fixture(scope="module")
+def core_checkpoint(tmp_path_factory, austen_prepared):
+    """A run folder stopped at step 3 (one process): the checkpoint each crafted case below starts from."""
+    folder = tmp_path_factory.mktemp("core") / "run"
+    run = _train(folder, "--stop_at=3", model_type="pre")
+    assert run.returncode == 0, run.stderr[-3000:]
+    return folder
+
+
+def _metadata_with(folder: Path, change) -> None:
+    """Rewrite step3's .metadata with ``change(metadata)`` applied (a legitimate pickle of the allowed classes)."""
+    from siamesenorm.safeload import load_checkpoint_metadata
+
+    path = folder / "step3" / "model_and_optim" / ".metadata"
+    with open(path, "rb") as f:
+        metadata = load_checkpoint_metadata(f)
+    change(metadata)
+    path.write_bytes(pickle.dumps(metadata))
+
+
+def _first_entry(metadata, **fields):
+    import dataclasses
+
+    index = next(i for i in metadata.storage_data if i.fqn == "model.embeddings.weight")
+    metadata.storage_data[index] = dataclasses.replace(metadata.storage_data[index], **fields)
+
+
+def _plant(folder: Path, case: str) -> str:
+    """Plant crafted ``case`` in ``folder``'s checkpoint; the words the one-line refusal must hold."""
+    step = folder / "step3" / "model_and_optim"
+    distcp = sorted(step.glob("*.distcp"))[0]
+    if case == "not_metadata":
+        (step / ".metadata").write_bytes(pickle.dumps([1, 2, 3]))
+        return "its metadata is a list, not a checkpoint's Metadata"
+    if case == "parent_path":
+        _metadata_with(folder, lambda m: _first_entry(m, relative_path="../../../../../../etc/hostname"))
+        return "names '../../../../../../etc/hostname', outside the checkpoint folder"
+    if case == "link_out":
+        (step / "link.distcp").symlink_to("/etc/hostname")
+        _metadata_with(folder, lambda m: _first_entry(m, relative_path="link.distcp"))
+        return "names 'link.distcp', outside the checkpoint folder"
+    if case == "fifo":
+        os.mkfifo(step / "pipe.distcp")
+        _metadata_with(folder, lambda m: _first_entry(m, relative_path="pipe.distcp"))
+        return "names 'pipe.distcp', which is not a regular file"
+    if case == "unbounded":
+        _metadata_with(folder, lambda m: _first_entry(m, length=-1))
+        return "with a path, offset or length of the wrong type or sign"
+    if case == "cut":
+        os.truncate(distcp, distcp.stat().st_size // 2)
+        return "(a cut or altered file)"
+    if case == "zeroed":
+        distcp.write_bytes(b"\0" * distcp.stat().st_size)
+        return f"refusing to load {distcp} (bytes "
+    raise AssertionError(case)
+
+
+@pytest.mark.parametrize("case", ["not_metadata", "parent_path", "link_out", "fifo", "unbounded", "cut", "zeroed"])
+def test_a_crafted_distributed_checkpoint_is_refused_in_one_line(tmp_path, core_checkpoint, case):
+    import shutil
+
+    folder = tmp_path / "run"
+    shutil.copytree(core_checkpoint, folder, symlinks=True)
+    words = _plant(folder, case)
+    before = (folder / "metrics.jsonl").read_text()
+    second = _train(folder, model_type="pre")
+    assert second.returncode == 2, second.stderr[-3000:]
+    last = second.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: refusing to load ") and words in last, last
+    assert "Traceback" not in second.stderr and "weights_only" not in second.stderr
+    assert (folder / "metrics.jsonl").read_text() == before
