@@ -434,3 +434,59 @@ def test_what_torch_refuses_after_our_check_is_one_line_without_weights_only_adv
 
     assert _plain(RuntimeError("Weights only load failed.\nRe-running `torch.load` with `weights_only` set to "
                                "`False` will likely succeed")) == "refused by torch's restricted reader"
+
+
+# ---- 5. scripts we write for others to run ------------------------------------------------------------------------
+@pytest.mark.parametrize("option, value", [("--job-name", "x\nrm -rf ~"), ("--time", "1-00:00:00\n#SBATCH --x"),
+                                           ("--partition", "gpu; touch /tmp/p"), ("--job-name", "a b"),
+                                           ("override", "--save_folder=a\ntouch /tmp/p"),
+                                           ("override", "--save_folder=a\rb")])
+def test_a_batch_script_refuses_values_that_would_add_a_command(tmp_path, option, value):
+    out = tmp_path / "job.sbatch"
+    args = [str(ROOT / "configs" / "tiny-cpu.yaml"), "--output", str(out)]
+    args += [value] if option == "override" else [option, value]
+    proc = script(str(Path("slurm") / "make_sbatch.py"), *args)
+    assert proc.returncode == 2 and not out.exists()
+    assert proc.stderr.strip().splitlines()[-1].startswith("make_sbatch.py: error: ")
+    assert "control character" in proc.stderr or "is not a SLURM" in proc.stderr
+
+
+def test_a_batch_script_names_its_model_type_and_beats_a_stale_environment(tmp_path):
+    from siamesenorm.slurm import sbatch_script
+
+    text = sbatch_script("configs/tiny-cpu.yaml", ["--save_folder=runs/it's here"], model_type="hybrid_pre",
+                         job_name="hp", time="1-00:00:00", partition="gpu")
+    assert "MODEL_TYPE=hybrid_pre python scripts/preflight.py configs/tiny-cpu.yaml" in text
+    prologue = text.split("export OLMO_SHARED_FS", 1)[0].split("set -euo pipefail", 1)[1] + 'echo "$MODEL_TYPE"\n'
+    proc = subprocess.run(["bash", "-c", prologue], env={**os.environ, "MODEL_TYPE": "pre",
+                                                         "SLURM_SUBMIT_DIR": str(tmp_path)},
+                          capture_output=True, text=True)
+    assert proc.stdout.strip() == "hybrid_pre"  # the script's MODEL_TYPE, not the shell's
+    assert "the environment's MODEL_TYPE=pre is ignored" in proc.stderr
+
+
+def test_the_gpu_check_installs_into_a_fresh_private_folder_and_removes_it(tmp_path):
+    """scripts/gpu_check.sh with a stand-in Python (it sees a GPU, records pip's target and the check's path)."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    (wheels / "x-1-py3-none-any.whl").write_bytes(b"")
+    log = tmp_path / "log"
+    fake = tmp_path / "python"
+    fake.write_text(f"""#!/bin/bash
+if [ "$1" = "-m" ]; then
+  for a in "$@"; do [ "$prev" = "--target" ] && stat -c "target %n %a" "$a" >> {log}; prev="$a"; done
+elif [ "$1" = "scripts/gpu_check.py" ]; then
+  echo "pythonpath $PYTHONPATH" >> {log}
+fi
+exit 0
+""")
+    fake.chmod(0o755)
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_check.sh"), str(wheels), str(tmp_path / "r.md")],
+                          env={**os.environ, "PYTHON": str(fake), "TMPDIR": str(tmp_path)}, capture_output=True,
+                          text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    target, path = log.read_text().splitlines()
+    _, folder, mode = target.split()
+    assert folder.startswith(str(tmp_path / "siamesenorm-site.")) and mode == "700"
+    assert path.split()[1].split(":")[1] == folder  # on the path: that folder, no fixed /tmp name
+    assert not Path(folder).exists()  # removed when the check ended

@@ -23,8 +23,8 @@ def main(argv=None) -> int:
     parser.add_argument("--time", default="7-00:00:00", help="the job's time limit (SLURM's format)")
     parser.add_argument("--partition", default=None, help="the SLURM partition (default: the cluster's)")
     parser.add_argument("--job-name", default="siamesenorm", help="the job's name in squeue and the log's name")
-    parser.add_argument("--model-type", default=None, help="MODEL_TYPE written into the script (the environment's "
-                        "MODEL_TYPE at submission wins)")
+    parser.add_argument("--model-type", default=None, help="MODEL_TYPE written into the script (it wins over the "
+                        "environment's at submission, which is named in a warning line if it differs)")
     parser.add_argument("--output", "-o", default=None, help="write here instead of standard output")
     args, overrides = parser.parse_known_args(argv)
     bad = [o for o in overrides if not o.startswith("--")]
@@ -41,8 +41,11 @@ def main(argv=None) -> int:
             parser.error(f"unknown --model-type {args.model_type!r}; use one of {', '.join(MODEL_TYPES)}")
     from siamesenorm.slurm import sbatch_script
 
-    text = sbatch_script(args.config, overrides, args.nodes, args.gpus_per_node, args.time, args.cpus_per_node,
-                         args.partition, args.job_name, args.model_type)
+    try:
+        text = sbatch_script(args.config, overrides, args.nodes, args.gpus_per_node, args.time, args.cpus_per_node,
+                             args.partition, args.job_name, args.model_type)
+    except ValueError as e:
+        parser.error(str(e))
     if args.output:
         Path(args.output).write_text(text)
         Path(args.output).chmod(0o755)
