@@ -281,9 +281,34 @@ def settle_run_folder(cfg: SiameseTrainConfig, action: str, load_path: Optional[
     return console_log
 
 
+#: A token file up to this size is hashed whole; a larger one by its size, its first and last MiB and
+#: ``SAMPLED_BLOCKS`` blocks of 64 KiB spread evenly through it (reads about 6 MiB of a file of any size).
+FULL_HASH_BYTES = 64 * 2**20
+SAMPLED_BLOCKS = 64
+
+
+def file_sample_digest(path: Path) -> str:
+    """A sha256 of the file's own bytes: all of them up to FULL_HASH_BYTES, else size + head + tail + evenly spaced
+    blocks. A file rewritten in place with the same size changes it unless every changed byte falls between the
+    sampled blocks of a file larger than 64 MiB."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with open(path, "rb") as f:
+        if size <= FULL_HASH_BYTES:
+            for chunk in iter(lambda: f.read(2**20), b""):
+                digest.update(chunk)
+            return "whole:" + digest.hexdigest()
+        offsets = [0, size - 2**20] + [size * (i + 1) // (SAMPLED_BLOCKS + 1) for i in range(SAMPLED_BLOCKS)]
+        for offset in offsets:
+            f.seek(offset)
+            digest.update(f.read(2**20 if offset in (0, size - 2**20) else 2**16))
+    return "sampled:" + digest.hexdigest()
+
+
 def data_fingerprint(cfg: SiameseTrainConfig) -> list:
-    """What identifies the training token files: each one's path, size and sha256 (its manifest's when it has one,
-    else of its first and last MiB: cheap on any corpus, and any re-preparation changes it)."""
+    """What identifies the training token files: each one's path, size, its manifest's sha256 (or a hash of its
+    first and last MiB) and ``file_sample_digest`` of its own bytes (so a file changed in place, same size, with
+    its manifest left as it was, is seen)."""
     out = []
     for name in [str(p) for p in cfg.data.paths or []]:
         if "://" in name:
@@ -299,8 +324,16 @@ def data_fingerprint(cfg: SiameseTrainConfig) -> list:
                 head = f.read(2**20)
                 f.seek(max(0, size - 2**20))
                 digest = "ends:" + hashlib.sha256(head + f.read(2**20)).hexdigest()
-        out.append({"path": name, "bytes": size, "sha256": digest})
+        out.append({"path": name, "bytes": size, "sha256": digest, "content": file_sample_digest(path)})
     return out
+
+
+def _same_file(old: Optional[dict], new: Optional[dict]) -> bool:
+    """Two fingerprint rows agree on every field both have (a run started before ``content`` existed compares
+    without it)."""
+    if old is None or new is None:
+        return old is new
+    return all(old[k] == new[k] for k in set(old) & set(new))
 
 
 def check_same_data(cfg: SiameseTrainConfig) -> None:
@@ -311,9 +344,9 @@ def check_same_data(cfg: SiameseTrainConfig) -> None:
         return
     before = {row.get("path"): row for row in (_read_json_list(saved))}
     now = {row["path"]: row for row in data_fingerprint(cfg)}
-    if before == now:
+    changed = [p for p in sorted(set(before) | set(now)) if not _same_file(before.get(p), now.get(p))]
+    if not changed:
         return
-    changed = [p for p in sorted(set(before) | set(now)) if before.get(p) != now.get(p)]
     what = changed[0]
     old, new = before.get(what), now.get(what)
     if old is None or new is None:

@@ -4,6 +4,7 @@ that a rerun leaves alone, a full disk, token files changed under a run, cut rec
 import json
 import os
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -275,3 +276,24 @@ def test_an_override_of_one_list_item_is_one_line(tmp_path):
         main(str(TINY), ["--evaluators.0.data.datasets.x=[a]", f"--save_folder={tmp_path}/run"], dry=True)
     assert "cannot apply --evaluators.0.data.datasets.x=[a]" in str(err.value) and "\n" not in str(err.value)
     assert "override a list as a whole" in str(err.value)
+
+
+def test_a_token_file_rewritten_in_place_with_its_manifest_kept_is_seen_on_resume(tmp_path, austen_prepared):
+    """The manifest's sha256 is what the file claims; the fingerprint hashes the file's own bytes as well."""
+    prepared = tmp_path / "prepared"
+    shutil.copytree(austen_prepared, prepared)
+    folder = tmp_path / "run"
+    args = [f"--data.paths=[{prepared}/train/*.npy]", f"--save_folder={folder}", "--save_interval_unsharded=4",
+            "--try_load_latest_save", "--model.vocab_size=2048", "--model.embedding_size=2048"]
+    train([*args, "--max_duration=4"])
+    target = sorted((prepared / "train").glob("*.npy"))[0]
+    before = (prepared / "manifest.json").read_text()
+    raw = bytearray(target.read_bytes())
+    raw[-64:] = bytes(reversed(raw[-64:]))  # the same size, the same tokens in another order at its end
+    raw[-4096:-4032] = bytes(reversed(raw[-4096:-4032]))
+    target.write_bytes(bytes(raw))
+    assert (prepared / "manifest.json").read_text() == before
+    line = error_line(train([*args, "--max_duration=8"], check=False))
+    assert "the token files differ from the ones this run started with" in line
+    assert f"{target}: same size, other content" in line
+    assert metric_steps(folder) == [1, 2, 3, 4]

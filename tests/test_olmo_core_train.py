@@ -242,3 +242,25 @@ def test_a_crafted_distributed_checkpoint_is_refused_in_one_line(tmp_path, core_
     assert last.startswith("error: refusing to load ") and words in last, last
     assert "Traceback" not in second.stderr and "weights_only" not in second.stderr
     assert (folder / "metrics.jsonl").read_text() == before
+
+
+def test_a_token_file_changed_in_place_is_seen_on_resume(tmp_path, austen_prepared):
+    import shutil
+
+    prepared = tmp_path / "prepared"
+    shutil.copytree(austen_prepared, prepared)
+    folder = tmp_path / "run"
+    data = f"--data.paths=[{prepared}/train/*.npy]"
+    first = _train(folder, data, "--stop_at=3", model_type="pre")
+    assert first.returncode == 0, first.stderr[-3000:]
+    assert json.loads((folder / "data-fingerprint.json").read_text())[0]["content"].startswith("whole:")
+    target = sorted((prepared / "train").glob("*.npy"))[0]
+    raw = bytearray(target.read_bytes())
+    raw[-64:] = bytes(reversed(raw[-64:]))  # same size, manifest untouched
+    target.write_bytes(bytes(raw))
+    second = _train(folder, data, model_type="pre")
+    assert second.returncode == 2, second.stderr[-3000:]
+    last = second.stderr.strip().splitlines()[-1]
+    assert "the token files differ from the ones this run started with" in last
+    assert f"{target}: same size, other content" in last
+    assert sorted(_losses(folder)) == [1, 2, 3]

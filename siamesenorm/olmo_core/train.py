@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from ..runconfig import check_batch_split, load_config, validate_run
+from ..runfolder import FINGERPRINT_NAME, check_same_data, data_fingerprint
 from ..safeload import checked_olmo_core_loads
 from ..train import check_data
 from .config import enum_value, transformer_config  # checks the OLMo-core release first
@@ -41,7 +42,7 @@ from olmo_core.train.train_module import TransformerDataParallelConfig, Transfor
 
 log = logging.getLogger(__name__)
 
-__all__ = ["main", "build_components", "MetricsFileCallback", "no_decay_names"]
+__all__ = ["main", "build_components", "MetricsFileCallback", "no_decay_names", "keep_data_fingerprint"]
 
 
 @dataclass
@@ -159,6 +160,18 @@ def build_components(cfg, world_size: int = 1):
     return model_config, train_module, data, loader, trainer
 
 
+def keep_data_fingerprint(cfg) -> None:
+    """As on the ai2-olmo path: a run that resumes (a checkpoint in save_folder) must see the token files it
+    started with (``check_same_data``: size and the files' own bytes; ``--resume_on_new_data`` to continue on
+    others); a fresh run writes their fingerprint (rank 0)."""
+    folder = Path(cfg.save_folder)
+    if any(folder.glob("step*/model_and_optim/.metadata")):
+        check_same_data(cfg)
+    elif get_rank() == 0:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / FINGERPRINT_NAME).write_text(json.dumps(data_fingerprint(cfg), indent=1) + "\n")
+
+
 def main(recipe: str, overrides: List[str]) -> None:
     """Train from ``recipe`` with ``overrides`` (``--key=value``) through OLMo-core's Trainer."""
     cfg = load_config(recipe, overrides)
@@ -168,6 +181,7 @@ def main(recipe: str, overrides: List[str]) -> None:
     prepare_training_environment(seed=cfg.seed, backend=backend)
     try:
         model_config, train_module_config, data_config, loader_config, trainer_config = build_components(cfg, world_size)
+        keep_data_fingerprint(cfg)
         model = model_config.build(init_device="meta")
         train_module = train_module_config.build(model)
         dataset = data_config.build()
