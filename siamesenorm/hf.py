@@ -34,6 +34,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, Pre
 from .checkpoints import checkpoint_folder, load_model
 from .config import SiameseModelConfig
 from .data import load_tokenizer
+from .exportcheck import check_export, read_json_object
 from .model import build_model
 from .records import variant_knobs
 from .remote import modeling_siamesenorm as remote_model
@@ -86,7 +87,7 @@ AutoModelForCausalLM.register(SiameseOlmoConfig, SiameseOlmoForCausalLM)
 # ---- from a run or checkpoint ------------------------------------------------------------------------------------
 def is_export(path: Union[str, Path]) -> bool:
     config = Path(path) / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == HF_MODEL_TYPE
+    return config.is_file() and read_json_object(config).get("model_type") == HF_MODEL_TYPE
 
 
 def run_tokenizer(cfg) -> PreTrainedTokenizerFast:
@@ -114,6 +115,7 @@ def load_for_generation(path: Union[str, Path]) -> tuple[SiameseOlmoForCausalLM,
     if is_export(path) or _is_llama_export(Path(path)):
         from transformers import AutoTokenizer
 
+        check_export(path)  # from elsewhere: bounded, and the weights are the model the config states
         return AutoModelForCausalLM.from_pretrained(str(path)).eval(), AutoTokenizer.from_pretrained(str(path))
     model, tokenizer, _ = from_run(path)
     return model, tokenizer
@@ -172,7 +174,7 @@ def llama_state_dict(olmo_state: Dict[str, torch.Tensor], olmo: Dict[str, Any]) 
 
 def _is_llama_export(path: Path) -> bool:
     config = path / "config.json"
-    return config.is_file() and json.loads(config.read_text()).get("model_type") == "llama" and \
+    return config.is_file() and read_json_object(config).get("model_type") == "llama" and \
         (path / "README.md").is_file() and "siamesenorm" in (path / "README.md").read_text()
 
 

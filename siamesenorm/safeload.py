@@ -38,6 +38,8 @@ from typing import Any, BinaryIO, Callable, Dict, Optional
 import numpy as np
 import olmo.checkpoint as olmo_checkpoint
 import torch
+import torch.distributed.checkpoint.metadata as dcp
+from torch.distributed.checkpoint.filesystem import _StorageInfo as TorchInfo
 
 __all__ = ["UnsafeCheckpoint", "check_torch_file", "load", "allow_checkpoint_types", "sharded_limit",
            "load_olmo_safetensors", "checked_loads", "sharded_tensors_in_one_process", "unpickle_plain",
@@ -828,10 +830,7 @@ def check_checkpoint_metadata(metadata: Any, folder: Optional[Path] = None) -> N
     with a non-negative offset and length; with ``folder`` (a local checkpoint), a regular file inside ``folder``
     (no link out, no device or FIFO) with the offset and length inside it, and no tensor larger than the files.
     Only then does OLMo-core's reader open a file or read a byte that the metadata names."""
-    import torch.distributed.checkpoint.metadata as dcp
-
     from olmo_core.distributed.checkpoint.filesystem import _StorageInfo as CoreInfo
-    from torch.distributed.checkpoint.filesystem import _StorageInfo as TorchInfo
 
     if type(metadata) is not dcp.Metadata:
         raise _Refused(f"its metadata is a {type(metadata).__name__}, not a checkpoint's Metadata")

@@ -490,3 +490,65 @@ exit 0
     assert folder.startswith(str(tmp_path / "siamesenorm-site.")) and mode == "700"
     assert path.split()[1].split(":")[1] == folder  # on the path: that folder, no fixed /tmp name
     assert not Path(folder).exists()  # removed when the check ended
+
+
+# ---- 6. exported folders from elsewhere -----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory, checkpointed_mixln):
+    """A real export (mixln, with its modelling code) to copy and craft from."""
+    out = tmp_path_factory.mktemp("export") / "mixln"
+    proc = script("export_hf.py", checkpointed_mixln, out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def _crafted_export(source: Path, tmp_path: Path, case: str) -> tuple:
+    """A copy of ``source`` with ``case`` planted; (folder, the words its one-line refusal must hold)."""
+    folder = tmp_path / case
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    weights = folder / "model.safetensors"
+    if case == "huge_model":
+        config["olmo"].update(d_model=2**20, n_layers=100_000)
+        (folder / "config.json").write_text(json.dumps(config))
+        return folder, "not a number from 0 to"
+    if case == "more_layers":  # within the bounds, but not the model the weights are
+        config["olmo"]["n_layers"] = 64
+        (folder / "config.json").write_text(json.dumps(config))
+        return folder, "its tensors are not the model's that config.json states"
+    if case == "not_object":
+        (folder / "config.json").write_text("[1, 2, 3]")
+        return folder, "a JSON list, not an object"
+    raw = weights.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + length])
+    if case == "header_length":
+        weights.write_bytes(struct.pack("<Q", 2**40) + raw[8:])
+        return folder, "a safetensors header of 1,099,511,627,776 bytes"
+    if case == "offsets_outside":
+        name = next(k for k in header if k != "__metadata__")
+        header[name]["data_offsets"][1] += 2**30
+        header[name]["data_offsets"][0] += 2**30
+    elif case == "remote_tokenizer":
+        tok = json.loads((folder / "tokenizer_config.json").read_text())
+        tok["auto_map"] = {"AutoTokenizer": ["tok.Evil", None]}
+        (folder / "tokenizer_config.json").write_text(json.dumps(tok))
+        return folder, "a tokenizer that needs code of its own"
+    text = json.dumps(header).encode()
+    text += b" " * ((8 - len(text) % 8) % 8)
+    weights.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + length:])
+    return folder, "lies outside the file"
+
+
+@pytest.mark.parametrize("case", ["huge_model", "more_layers", "not_object", "header_length", "offsets_outside",
+                                  "remote_tokenizer"])
+def test_a_crafted_export_is_refused_in_one_line_before_anything_is_built(tmp_path, exported, case):
+    folder, words = _crafted_export(exported, tmp_path, case)
+    rss, out = peak_rss_mb(f"import sys; sys.argv = ['generate.py', {str(folder)!r}, '--prompt', 'It is']\n"
+                           "from siamesenorm.cli import generate_main\ntry:\n    generate_main()\n"
+                           "except SystemExit as e: print('EXIT', e.code)")
+    assert "EXIT 2" in out, out[-2000:]
+    line = next(x for x in out.splitlines() if x.startswith("error: "))
+    assert line.startswith("error: refusing to load ") and words in line, line
+    assert "trust_remote_code" not in out and "Traceback" not in out
+    assert rss < 1500, f"peak RSS {rss} MB"
