@@ -27,12 +27,20 @@ def main(argv=None) -> int:
     if not Path(args.results).is_dir():
         print(f"error: {args.results} is not a folder; run scripts/sweep.py first.", file=sys.stderr)
         return 2
+    try:
+        return _report(args)
+    except (ValueError, FileNotFoundError) as e:  # a record, metrics line or folder that is not a sweep's
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _report(args) -> int:
     out = Path(args.output)
-    out.mkdir(parents=True, exist_ok=True)
     if args.v2:
         from siamesenorm import study_v2
 
         summary = study_v2.report(args.results, args.earlier)
+        out.mkdir(parents=True, exist_ok=True)
         (out / "report.json").write_text(json.dumps(summary, indent=1) + "\n")
         for path in study_v2.figures(summary, out, args.format):
             print(f"wrote {path}")
@@ -41,6 +49,7 @@ def main(argv=None) -> int:
     from siamesenorm.study import figures, report
 
     summary = report(args.results)
+    out.mkdir(parents=True, exist_ok=True)
     (out / "report.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=1) + "\n")
     (out / "table.md").write_text(summary["table"])
     for path in figures(args.results, out, args.format, args.smooth):

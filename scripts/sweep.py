@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from siamesenorm.sweep import load_plan, run_plan, status, stop_children, stopping  # noqa: E402
+from siamesenorm.sweep import PlanError, load_plan, run_plan, status, stop_children, stopping  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -25,8 +25,11 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     try:
         plan = load_plan(args.plan)
-    except (OSError, KeyError) as err:
+    except OSError as err:
         print(f"error: cannot read the plan {args.plan}: {err}", file=sys.stderr)
+        return 2
+    except PlanError as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
     if args.list:
         for cell in plan.cells:

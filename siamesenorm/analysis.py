@@ -32,7 +32,7 @@ from .checkpoints import checkpoint_folder, load_model  # noqa: F401  (re-export
 from .data import PrepareSettings, Skips, is_validation, iter_documents, load_tokenizer
 from .figures import plot, run_events  # noqa: F401  (analysis.plot: the figure for a tool's result)
 from .model import build_model
-from .records import RECORD_NAME
+from .records import RECORD_NAME, check_metrics_row, check_record, load_json_file
 from .runconfig import expand_paths, load_config
 from .tables import format_lr, method_name
 from .variants._base import TopologyBlock
@@ -326,9 +326,11 @@ def read_metrics(run: str | Path) -> List[Dict]:
     for n, line in enumerate(path.read_text().splitlines(), 1):
         if line.strip():
             try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:
-                raise ValueError(f"{path}:{n}: not JSON; a metrics line was cut (the run may still be writing).")
+                row = json.loads(line)
+            except (json.JSONDecodeError, RecursionError):
+                raise ValueError(f"{path}:{n}: not JSON; a metrics line was cut (the run may still be writing).") \
+                    from None
+            rows.append(check_metrics_row(row, f"{path}:{n}"))
     return rows
 
 
@@ -336,8 +338,9 @@ def run_label(run: str | Path) -> str:
     folder = Path(run) if Path(run).is_dir() else Path(run).parent
     record = folder / RECORD_NAME
     if record.is_file():
-        rec = json.loads(record.read_text())
-        return f"{method_name(rec)}, lr {format_lr(rec['learning_rate'])}"
+        rec = check_record(load_json_file(record, "a run record"), record)
+        lr = rec.get("learning_rate")
+        return f"{method_name(rec)}, lr {format_lr(lr) if lr is not None else '?'}"
     return folder.name
 
 
@@ -351,7 +354,8 @@ def _curve(runs: Sequence[str | Path], key: str) -> Dict:
         evals = [(r["step"], next((v for k, v in r["eval"].items() if k.endswith("/CrossEntropyLoss")), None))
                  for r in rows if isinstance(r.get("eval"), dict)]
         folder = Path(run) if Path(run).is_dir() else Path(run).parent
-        record = json.loads((folder / RECORD_NAME).read_text()) if (folder / RECORD_NAME).is_file() else {}
+        file = folder / RECORD_NAME
+        record = check_record(load_json_file(file, "a run record"), file) if file.is_file() else {}
         label = run_label(run)
         if label in curves:
             label = f"{label} ({Path(run).name})"

@@ -35,7 +35,7 @@ from olmo.train import Trainer
 
 from .checkpoints import checkpoint_folder, load_model
 from .hf import _is_llama_export, is_export, load_for_generation
-from .records import DOWNSTREAM_LABELS, RECORD_NAME, split_eval_metrics
+from .records import DOWNSTREAM_LABELS, RECORD_NAME, check_record, load_json_file, split_eval_metrics
 from .runconfig import SiameseTrainConfig, _manifest_for, check_token_files
 
 __all__ = ["EvalSettings", "evaluate", "to_markdown", "to_csv", "known_tasks", "PAPER_TASKS"]
@@ -105,7 +105,7 @@ def _load(source: Path):
     model, cfg = load_model(folder)
     tokenizer = Tokenizer.from_train_config(cfg)
     run_record = source / RECORD_NAME
-    fields = json.loads(run_record.read_text()) if run_record.is_file() else {
+    fields = check_record(load_json_file(run_record, "a run record"), run_record) if run_record.is_file() else {
         "model_type": cfg.model.model_type or "pre", "learning_rate": cfg.optimizer.learning_rate,
         "status": "finished"}
     fields["checkpoint"] = str(folder)

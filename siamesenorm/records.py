@@ -19,6 +19,9 @@ from typing import Any, Dict, Optional
 
 __all__ = [
     "RECORD_NAME",
+    "load_json_file",
+    "check_record",
+    "check_metrics_row",
     "config_hash",
     "recipe_hash",
     "write_record",
@@ -143,17 +146,100 @@ def write_record(folder: str | Path, record: Dict[str, Any]) -> Path:
     return path
 
 
+# ---- reading records from elsewhere ----------------------------------------------------------------------------------
+MAX_JSON_FILE_BYTES = 64 * 2**20
+MAX_NESTING = 32
+_NUMBER = (int, float)
+#: What the tools (make_tables, analyze, study_report, sweep, evaluate) read from a record, and what each must be
+#: when present (None is always allowed). A dict's values: numbers (perplexity, downstream) or anything plain.
+RECORD_TYPES: Dict[str, tuple] = {
+    "model_type": (str,), "status": (str,), "learning_rate": _NUMBER, "val_perplexity": _NUMBER,
+    "perplexity": (dict,), "downstream": (dict,), "spikes": (list,), "grad_spikes": (list,), "seed": (int,),
+    "step": (int,), "final_train_loss": _NUMBER, "final_mean_loss": _NUMBER, "loss_spikes": (int,),
+    "variant_knobs": (dict,), "recipe_hash": (str,), "config_hash": (str,), "parameters": (int,),
+    "tokens_seen": (int,), "eval_step": (int,), "converged": (bool,), "world_size": (int,), "attempts": (list,),
+    "max_steps": (int,), "token_budget": (int,), "unigram_loss": _NUMBER, "run_name": (str,), "stability": (dict,),
+    "evaluation": (dict,), "max_batches": (int,), "examples": (dict,)}
+_NUMBER_TABLES = ("perplexity", "downstream")
+
+
+def _kind(value) -> str:
+    return "true/false" if isinstance(value, bool) else type(value).__name__
+
+
+def _nesting(value) -> int:
+    """The depth of nested lists and dicts in ``value`` (iteratively: no recursion for a hostile file)."""
+    deepest, stack = 0, [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, (dict, list)):
+            deepest = max(deepest, depth)
+            if depth > MAX_NESTING:
+                return depth
+            stack.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def load_json_file(path: Path, what: str) -> Any:
+    """A JSON file from a run folder: at most MAX_JSON_FILE_BYTES, nested at most MAX_NESTING deep; ValueError
+    naming the file otherwise."""
+    size = path.stat().st_size
+    if size > MAX_JSON_FILE_BYTES:
+        raise ValueError(f"{path}: {size:,d} bytes, more than {what} holds.")
+    try:
+        value = json.loads(path.read_bytes())
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{path}: not a JSON {what} ({type(e).__name__}).") from None
+    if _nesting(value) > MAX_NESTING:
+        raise ValueError(f"{path}: nested deeper than {MAX_NESTING} levels; not {what}.")
+    return value
+
+
+def check_record(record: Any, path: Path) -> Dict[str, Any]:
+    """``record`` if it is an object whose known fields (RECORD_TYPES) have their types; ValueError naming the file
+    and the first field that does not."""
+    if not isinstance(record, dict):
+        raise ValueError(f"{path}: a JSON {_kind(record)}, not a run record (an object).")
+    for name, types in RECORD_TYPES.items():
+        value = record.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) and bool not in types or not isinstance(value, types):
+            raise ValueError(f"{path}: field {name} is {_kind(value)} {str(value)[:40]!r}; a record holds "
+                             f"{' or '.join(t.__name__ for t in types)} there.")
+    for name in _NUMBER_TABLES:
+        for key, value in (record.get(name) or {}).items():
+            if value is not None and (isinstance(value, bool) or not isinstance(value, _NUMBER)):
+                raise ValueError(f"{path}: field {name}.{key} is {_kind(value)}; a record holds numbers there.")
+    return record
+
+
+def check_metrics_row(row: Any, where: str) -> Dict[str, Any]:
+    """A metrics.jsonl line: an object whose ``step`` is an integer and whose other values are numbers (or, for
+    ``eval``, an object of numbers); ValueError naming the file and line otherwise."""
+    if not isinstance(row, dict):
+        raise ValueError(f"{where}: a JSON {_kind(row)}, not a metrics line (an object).")
+    for key, value in row.items():
+        if key == "eval" and isinstance(value, dict):
+            bad = [k for k, v in value.items() if v is not None and (isinstance(v, bool) or not isinstance(v, _NUMBER))]
+        else:
+            bad = [] if value is None or (not isinstance(value, bool) and isinstance(value, _NUMBER)) else [key]
+            if key == "step" and not (isinstance(value, int) and not isinstance(value, bool)):
+                bad = ["step"]
+        if bad:
+            raise ValueError(f"{where}: field {bad[0]} is not a number; not a metrics line of this project.")
+    return row
+
+
 def read_record(path: str | Path) -> Dict[str, Any]:
     """A run record from a run.json file or the run folder holding one."""
     path = Path(path)
     if path.is_dir():
         path = path / RECORD_NAME
     try:
-        record = json.loads(path.read_text())
+        record = check_record(load_json_file(path, "a run record"), path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no run record (runs write {RECORD_NAME} into their save_folder).") from None
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not a JSON run record ({e}).") from None
     missing = [k for k in ("model_type", "learning_rate", "status") if k not in record]
     if missing:
         raise ValueError(f"{path}: run record lacks {', '.join(missing)}.")

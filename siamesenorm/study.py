@@ -30,22 +30,42 @@ from .figures import (
     save,
     stream_label,
 )
-from .records import RECORD_NAME
+from .records import RECORD_NAME, check_metrics_row, check_record, load_json_file
 from .tables import METHOD_NAMES, build_table, format_lr, method_name, to_markdown
 
 __all__ = ["load_cells", "report", "figures"]
 
+def _metrics_rows(path: Path) -> List[Dict]:
+    if not path.is_file():
+        return []
+    rows = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(check_metrics_row(json.loads(line), f"{path}:{n}"))
+            except (json.JSONDecodeError, RecursionError):
+                raise ValueError(f"{path}:{n}: not JSON; a metrics line was cut.") from None
+    return rows
+
+
 def load_cells(results: str | Path) -> List[Dict]:
-    """Every finished or diverged cell: its record, metrics rows and analyses."""
+    """Every finished or diverged cell: its record, metrics rows and analyses. ValueError (one line, naming the
+    file and field) for a record, metrics line or analysis that is not what a run writes, or for a folder that
+    holds no cell at all."""
+    if not any(Path(results).glob(f"*/{RECORD_NAME}")):
+        raise ValueError(f"{results}: no cell folders with a {RECORD_NAME}; not a sweep's results folder (the "
+                         "plan's results:, e.g. results/study-cpu).")
     cells = []
     for record_path in sorted(Path(results).glob(f"*/{RECORD_NAME}")):
-        record = json.loads(record_path.read_text())
+        record = check_record(load_json_file(record_path, "a run record"), record_path)
         if record.get("status") not in ("finished", "diverged"):
             continue
         folder = record_path.parent
-        rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines() if line.strip()] \
-            if (folder / "metrics.jsonl").is_file() else []
-        analyses = json.loads((folder / "analysis.json").read_text()) if (folder / "analysis.json").is_file() else {}
+        rows = _metrics_rows(folder / "metrics.jsonl")
+        file = folder / "analysis.json"
+        analyses = load_json_file(file, "an analysis record") if file.is_file() else {}
+        if not isinstance(analyses, dict):
+            raise ValueError(f"{file}: a JSON {type(analyses).__name__}, not an analysis record (an object).")
         cells.append({"name": folder.name, "record": record, "rows": rows, "analysis": analyses,
                       "path": str(record_path)})
     return cells

@@ -32,6 +32,7 @@ import itertools
 import json
 import logging
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -45,6 +46,7 @@ from typing import Dict, List, Optional
 
 from omegaconf import OmegaConf as om
 
+from .catalog import model_type_names
 from .records import RECORD_NAME
 
 
@@ -98,14 +100,62 @@ class Plan:
     analysis_tokens: Optional[str] = None  # token files for the analyses; None: the recipe's lm evaluator's
 
 
+class PlanError(ValueError):
+    """A sweep plan that cannot be run as written; the message names the file and the field."""
+
+
+_VALUE = re.compile(r"[A-Za-z0-9_.+-]{1,64}")  # what a knob or setting may be: it becomes part of a folder name
+
+
+def _plan_list(path, where: str, value, kind, check=None) -> list:
+    if not isinstance(value, list) or not value:
+        raise PlanError(f"{path}: {where} must be a non-empty list")
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, kind) or (check and not check(item)):
+            raise PlanError(f"{path}: {where} holds {item!r}; see the plan format in siamesenorm/sweep.py")
+    return value
+
+
 def load_plan(path: str | Path) -> Plan:
-    raw = om.to_container(om.load(str(path)))
+    """The plan at ``path``, every value checked before any folder name is made from it (PlanError, one line)."""
+    known = set(model_type_names())
+    extra = bool(os.environ.get("SIAMESENORM_VARIANTS"))  # variant files outside the package: named plainly
+
+    def model_type(name: str) -> bool:
+        return name in known or (extra and re.fullmatch(r"[a-z][a-z0-9_]{0,63}", name) is not None)
+
+    try:
+        raw = om.to_container(om.load(str(path)), resolve=False)
+    except OSError:
+        raise
+    except Exception as e:  # YAML and omegaconf errors are many classes
+        raise PlanError(f"{path}: not a readable YAML plan ({type(e).__name__})") from None
+    if not isinstance(raw, dict):
+        raise PlanError(f"{path}: a plan is a mapping with recipe, runs, results and groups")
+    for key in ("recipe", "runs", "results"):
+        if not isinstance(raw.get(key), str) or not raw[key]:
+            raise PlanError(f"{path}: {key} must be a path")
+    groups = raw.get("groups")
+    _plan_list(path, "groups", groups, dict)
     cells: List[Cell] = []
-    for group in raw["groups"]:
+    for n, group in enumerate(groups, 1):
+        where = f"group {n}"
+        methods = _plan_list(path, f"{where} methods", group.get("methods"), str, model_type)
+        rates = _plan_list(path, f"{where} learning_rates", group.get("learning_rates"), (int, float),
+                           lambda v: 0 < v < 10)
+        seeds = _plan_list(path, f"{where} seeds", group.get("seeds", [1]), int, lambda v: 0 <= v < 2**31)
+        for part in ("knobs", "settings"):
+            table = group.get(part) or {}
+            if not isinstance(table, dict) or not all(
+                    isinstance(k, str) and _VALUE.fullmatch(k) and isinstance(v, (str, int, float, bool))
+                    and _VALUE.fullmatch(str(v)) for k, v in table.items()):
+                raise PlanError(f"{path}: {where} {part} must map names to plain values (letters, digits, ._+-)")
+        every = group.get("analyse_every")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise PlanError(f"{path}: {where} analyse_every must be a positive number of steps")
         knobs = tuple(sorted((group.get("knobs") or {}).items()))
         settings = tuple(sorted((group.get("settings") or {}).items()))
-        every = group.get("analyse_every")
-        for mt, lr, seed in itertools.product(group["methods"], group["learning_rates"], group.get("seeds", [1])):
+        for mt, lr, seed in itertools.product(methods, rates, seeds):
             cell = Cell(mt, float(lr), int(seed), knobs, settings, None if every is None else int(every))
             if cell not in cells:
                 cells.append(cell)
@@ -116,9 +166,10 @@ def load_plan(path: str | Path) -> Plan:
 def status(plan: Plan, cell: Cell) -> Optional[str]:
     path = Path(plan.results) / cell.name / RECORD_NAME
     try:
-        return json.loads(path.read_text()).get("status")
-    except (OSError, ValueError, AttributeError):  # absent, or cut by a kill while it was copied: run the cell
-        return None
+        status = json.loads(path.read_text()).get("status")
+    except (OSError, ValueError, AttributeError, RecursionError):  # absent, or cut by a kill while it was copied
+        return None                                                # (or not a record): run the cell
+    return status if isinstance(status, str) else None
 
 
 def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:

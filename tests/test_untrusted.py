@@ -16,6 +16,7 @@ import warnings
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -552,3 +553,79 @@ def test_a_crafted_export_is_refused_in_one_line_before_anything_is_built(tmp_pa
     assert line.startswith("error: refusing to load ") and words in line, line
     assert "trust_remote_code" not in out and "Traceback" not in out
     assert rss < 1500, f"peak RSS {rss} MB"
+
+
+# ---- 7. records, metrics, sweep plans and results folders -----------------------------------------------------------
+def _run_folder(tmp_path: Path, record: Any = None, metrics: str = None) -> Path:
+    folder = tmp_path / "runs" / "a"
+    folder.mkdir(parents=True)
+    good = {"model_type": "pre", "learning_rate": 1e-3, "status": "finished", "val_perplexity": 30.0, "step": 4,
+            "perplexity": {"val": 30.0}, "downstream": {}}
+    text = record if isinstance(record, str) else json.dumps(good if record is None else {**good, **record})
+    (folder / "run.json").write_text(text)
+    (folder / "metrics.jsonl").write_text(metrics if metrics is not None else "".join(
+        json.dumps({"step": s, "loss": 5.0 - s / 10, "grad_norm": 1.0}) + "\n" for s in range(1, 5)))
+    return folder
+
+
+def _nested(depth: int):
+    value = [1]
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize("record, words", [
+    ({"learning_rate": "1e-3"}, "field learning_rate is str '1e-3'"),
+    ({"val_perplexity": [1, 2]}, "field val_perplexity is list"),
+    ({"downstream": {"piqa": "high"}}, "field downstream.piqa is str"),
+    ({"status": True}, "field status is true/false"),
+    ("[" * 100_000 + "]" * 100_000, "not a JSON a run record (RecursionError)"),
+    (json.dumps({"model_type": "pre", "learning_rate": 1, "status": "x", "deep": _nested(40)}),
+     "nested deeper than 32 levels"),
+    ("[1, 2]", "a JSON list, not a run record")])
+def test_a_run_record_of_the_wrong_shape_is_one_line_in_make_tables(tmp_path, record, words):
+    folder = _run_folder(tmp_path, record)
+    proc = script("make_tables.py", tmp_path / "runs")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {folder / 'run.json'}: ") and words in line, line
+
+
+@pytest.mark.parametrize("metrics, words", [('{"step": "4", "loss": 1.0}\n', "field step is not a number"),
+                                            ('{"step": 4, "loss": "low"}\n', "field loss is not a number"),
+                                            ("[1, 2]\n", "not a metrics line (an object)")])
+def test_a_metrics_line_of_the_wrong_shape_is_one_line_in_analyze(tmp_path, metrics, words):
+    folder = _run_folder(tmp_path, metrics=metrics)
+    proc = script("analyze.py", "loss-curves", folder, "--output", tmp_path / "out")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {folder / 'metrics.jsonl'}:1: ") and words in line, line
+
+
+def test_a_folder_that_is_not_a_sweeps_results_is_one_line_in_study_report(tmp_path):
+    (tmp_path / "empty").mkdir()
+    proc = script("study_report.py", tmp_path / "empty", "--output", tmp_path / "out")
+    assert proc.returncode == 2 and "not a sweep's results folder" in proc.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "out").exists()
+    cell = _run_folder(tmp_path, {"learning_rate": "fast"})
+    proc = script("study_report.py", cell.parent, "--output", tmp_path / "out")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    assert "field learning_rate is str" in proc.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("group, words", [
+    ({"methods": ["../../../tmp/x"], "learning_rates": [1e-2]}, "group 1 methods holds '../../../tmp/x'"),
+    ({"methods": ["pre"], "learning_rates": ["fast"]}, "group 1 learning_rates holds 'fast'"),
+    ({"methods": ["pre"], "learning_rates": [1e-2], "seeds": [1.5]}, "group 1 seeds holds 1.5"),
+    ({"methods": ["pre"], "learning_rates": [1e-2], "knobs": {"n_layers": "4/../../x"}}, "group 1 knobs must map"),
+    ({"methods": "pre", "learning_rates": [1e-2]}, "group 1 methods must be a non-empty list")])
+def test_a_sweep_plan_with_bad_values_is_one_line_before_any_folder(tmp_path, group, words):
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(json.dumps({"recipe": "configs/tiny-cpu.yaml", "runs": str(tmp_path / "runs"),
+                                "results": str(tmp_path / "results"), "groups": [group]}))
+    proc = script("sweep.py", plan, "--list")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith(f"error: {plan}: ") and words in line, line
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "results").exists()
