@@ -20,14 +20,18 @@ if [ ! -f "$DATA/manifest.json" ]; then
 fi
 RUN="runs/quickstart-$NAME"
 python scripts/train.py configs/tiny-cpu.yaml --save_folder="$RUN" --save_overwrite
+# The Next: lines run as printed in a new shell: the environment's python by its path (relative to the repository
+# when the environment is inside it), since a new shell has not activated it.
+PY="$VENV/bin/python"
+case "$PY" in "$ROOT"/*) PY="${PY#"$ROOT"/}" ;; esac
 cat <<NEXT
 
 Results in $RUN/: run.json (the record: status, final loss, validation perplexity), metrics.jsonl (loss and
 gradient norm per step), console.log (this output), config.yaml, latest-unsharded/ (the trained model).
-Next:
-  python scripts/generate.py $RUN --prompt "It is a truth universally acknowledged"
-  python scripts/export_hf.py $RUN exports/quickstart-$NAME      # a Hugging Face transformers folder
-  python scripts/analyze.py loss-curves $RUN --output analysis/quickstart-$NAME
+Next (from the repository root, in any shell; or 'source $VENV/bin/activate' once and type python):
+  $PY scripts/generate.py $RUN --prompt "It is a truth universally acknowledged"
+  $PY scripts/export_hf.py $RUN exports/quickstart-$NAME      # a Hugging Face transformers folder
+  $PY scripts/analyze.py loss-curves $RUN --output analysis/quickstart-$NAME
   bash scripts/quickstart.sh $OTHER                                # the same run with $OTHER_WHAT
-  python scripts/make_tables.py runs/                              # Table 1 from every run under runs/
+  $PY scripts/make_tables.py runs/                              # Table 1 from every run under runs/
 NEXT

@@ -338,7 +338,7 @@ def run_label(run: str | Path) -> str:
     folder = Path(run) if Path(run).is_dir() else Path(run).parent
     record = folder / RECORD_NAME
     if record.is_file():
-        rec = check_record(load_json_file(record, "a run record"), record)
+        rec = check_record(load_json_file(record, "run record"), record)
         lr = rec.get("learning_rate")
         return f"{method_name(rec)}, lr {format_lr(lr) if lr is not None else '?'}"
     return folder.name
@@ -355,7 +355,7 @@ def _curve(runs: Sequence[str | Path], key: str) -> Dict:
                  for r in rows if isinstance(r.get("eval"), dict)]
         folder = Path(run) if Path(run).is_dir() else Path(run).parent
         file = folder / RECORD_NAME
-        record = check_record(load_json_file(file, "a run record"), file) if file.is_file() else {}
+        record = check_record(load_json_file(file, "run record"), file) if file.is_file() else {}
         label = run_label(run)
         if label in curves:
             label = f"{label} ({Path(run).name})"

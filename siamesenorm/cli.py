@@ -71,6 +71,10 @@ Examples:
     except Terminated as e:  # preemption: the record says stopped; the same command resumes
         print(f"stopped: {e}; rerun the same command to resume from the latest checkpoint", file=sys.stderr)
         sys.exit(128 + e.signum)
+    except KeyboardInterrupt:  # Ctrl-C: the record says stopped (siamesenorm/train.py); one line, not a traceback
+        print("stopped: interrupted (Ctrl-C); rerun the same command to resume from the latest checkpoint",
+              file=sys.stderr)
+        sys.exit(130)
     sys.exit(code)
 
 

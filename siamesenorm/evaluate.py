@@ -105,7 +105,7 @@ def _load(source: Path):
     model, cfg = load_model(folder)
     tokenizer = Tokenizer.from_train_config(cfg)
     run_record = source / RECORD_NAME
-    fields = check_record(load_json_file(run_record, "a run record"), run_record) if run_record.is_file() else {
+    fields = check_record(load_json_file(run_record, "run record"), run_record) if run_record.is_file() else {
         "model_type": cfg.model.model_type or "pre", "learning_rate": cfg.optimizer.learning_rate,
         "status": "finished"}
     fields["checkpoint"] = str(folder)

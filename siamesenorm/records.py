@@ -185,13 +185,13 @@ def load_json_file(path: Path, what: str) -> Any:
     naming the file otherwise."""
     size = path.stat().st_size
     if size > MAX_JSON_FILE_BYTES:
-        raise ValueError(f"{path}: {size:,d} bytes, more than {what} holds.")
+        raise ValueError(f"{path}: {size:,d} bytes, more than a {what} holds.")
     try:
         value = json.loads(path.read_bytes())
     except (ValueError, RecursionError) as e:
         raise ValueError(f"{path}: not a JSON {what} ({type(e).__name__}).") from None
     if _nesting(value) > MAX_NESTING:
-        raise ValueError(f"{path}: nested deeper than {MAX_NESTING} levels; not {what}.")
+        raise ValueError(f"{path}: nested deeper than {MAX_NESTING} levels; not a {what}.")
     return value
 
 
@@ -237,7 +237,7 @@ def read_record(path: str | Path) -> Dict[str, Any]:
     if path.is_dir():
         path = path / RECORD_NAME
     try:
-        record = check_record(load_json_file(path, "a run record"), path)
+        record = check_record(load_json_file(path, "run record"), path)
     except FileNotFoundError:
         raise FileNotFoundError(f"{path}: no run record (runs write {RECORD_NAME} into their save_folder).") from None
     missing = [k for k in ("model_type", "learning_rate", "status") if k not in record]

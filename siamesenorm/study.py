@@ -57,13 +57,13 @@ def load_cells(results: str | Path) -> List[Dict]:
                          "plan's results:, e.g. results/study-cpu).")
     cells = []
     for record_path in sorted(Path(results).glob(f"*/{RECORD_NAME}")):
-        record = check_record(load_json_file(record_path, "a run record"), record_path)
+        record = check_record(load_json_file(record_path, "run record"), record_path)
         if record.get("status") not in ("finished", "diverged"):
             continue
         folder = record_path.parent
         rows = _metrics_rows(folder / "metrics.jsonl")
         file = folder / "analysis.json"
-        analyses = load_json_file(file, "an analysis record") if file.is_file() else {}
+        analyses = load_json_file(file, "record of analyses") if file.is_file() else {}
         if not isinstance(analyses, dict):
             raise ValueError(f"{file}: a JSON {type(analyses).__name__}, not an analysis record (an object).")
         cells.append({"name": folder.name, "record": record, "rows": rows, "analysis": analyses,

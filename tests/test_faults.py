@@ -297,3 +297,21 @@ def test_a_token_file_rewritten_in_place_with_its_manifest_kept_is_seen_on_resum
     assert "the token files differ from the ones this run started with" in line
     assert f"{target}: same size, other content" in line
     assert metric_steps(folder) == [1, 2, 3, 4]
+
+
+def test_ctrl_c_is_one_line_exit_130_and_a_stopped_record(tmp_path, data):  # noqa: F811
+    folder = tmp_path / "run"
+    proc = subprocess.Popen([*TRAIN, str(TINY), *SMALL, f"--data.paths=[{data}]", f"--save_folder={folder}",
+                             "--max_duration=100000"], cwd=ROOT, env=env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    deadline = time.time() + 120
+    while time.time() < deadline and not ((folder / "metrics.jsonl").is_file() and len(metric_steps(folder)) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-3000:]
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == ("stopped: interrupted (Ctrl-C); rerun the same command to resume from "
+                                            "the latest checkpoint")
+    assert record(folder)["status"] == "stopped"

@@ -580,7 +580,7 @@ def _nested(depth: int):
     ({"val_perplexity": [1, 2]}, "field val_perplexity is list"),
     ({"downstream": {"piqa": "high"}}, "field downstream.piqa is str"),
     ({"status": True}, "field status is true/false"),
-    ("[" * 100_000 + "]" * 100_000, "not a JSON a run record (RecursionError)"),
+    ("[" * 100_000 + "]" * 100_000, "not a JSON run record (RecursionError)"),
     (json.dumps({"model_type": "pre", "learning_rate": 1, "status": "x", "deep": _nested(40)}),
      "nested deeper than 32 levels"),
     ("[1, 2]", "a JSON list, not a run record")])
