@@ -35,7 +35,7 @@ def main(argv=None) -> int:
                         help="table format (default markdown); all: every format, needs --output")
     parser.add_argument("--output", help="write table1.<md|csv|tex> into this folder instead of printing")
     args = parser.parse_args(argv)
-    from siamesenorm.tables import LEGEND, build_table, formats, render  # after --help: it imports OLMo
+    from siamesenorm.tables import LEGEND, build_table, formats, render, subset_note  # after --help: imports OLMo
 
     try:
         files = find_records(args.paths)
@@ -53,6 +53,9 @@ def main(argv=None) -> int:
     chosen = formats() if args.format == "all" else (args.format,)
     for fmt in chosen:
         text = render(table, fmt)
+        note = subset_note(table)
+        if note and fmt == "markdown":  # under the table, where a reader of the file sees it
+            text += "\n" + note + "\n"
         if args.output:
             out = Path(args.output) / f"table1.{SUFFIX[fmt]}"
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,15 @@ Cell rules:
   * columns without a value in any row are left out (PPL always stays);
   * "*" after PPL: the run had loss spikes (stability.py has the rule); "†" after PPL: the run has not finished
     (status running or stopped), its values are its latest;
+  * "‡" after a value: an evaluation on a subset (``evaluate.py --max-batches``), its size in the legend line;
   * bold: the best value of each column within a setting (lowest PPL, highest accuracy), ties all bold,
-    comparing the values as printed; diverged and missing cells never count. CSV has no bold.
+    comparing the values as printed; diverged and missing cells never count; and only where the sample can tell:
+    never a subset's perplexity, and an accuracy only when its lead over the runner-up exceeds two binomial
+    standard errors at the examples scored (a subset: at most its batches x batch size; a full task set: as the
+    paper bolds). CSV has no bold;
+  * a record of evaluate.py and the run's own record of the same run: the full evaluation is used, not a subset
+    (else the newest), and make_tables says which; when a table mixes run records and evaluate.py records, each
+    evaluate.py row says so after its method.
 A setting is (recipe, learning rate, token budget). The recipe is the record's ``recipe_hash`` (the config without
 seed, learning rate, MODEL_TYPE, its knobs and the initialisation), so runs of different experiments are never
 merged; when the records hold more than one recipe, each setting's label names its recipe (config file and hash).
@@ -35,7 +42,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from .records import DOWNSTREAM_LABELS
 from .variants import TABLE_ORDER, VARIANTS
 
-__all__ = ["COLUMNS", "METHOD_NAMES", "Table", "build_table", "to_markdown", "to_csv", "to_latex", "method_name"]
+__all__ = ["COLUMNS", "METHOD_NAMES", "Table", "build_table", "to_markdown", "to_csv", "to_latex", "method_name",
+           "subset_note", "subset_size"]
 
 COLUMNS = ("PPL", "ARC-E", "ARC-C", "HellaSwag", "PIQA", "WinoGrande", "OBQA", "Arithmetic", "Avg")
 
@@ -47,7 +55,7 @@ _KNOB_NAMES = {
     ("siamese_normalized_input", False): "w/o normalized input",
 }
 
-DIVERGE, MISSING, SPIKE, UNFINISHED = "diverge", "-", "*", "†"
+DIVERGE, MISSING, SPIKE, UNFINISHED, SUBSET = "diverge", "-", "*", "†", "‡"
 CRASHED, STOPPED, RUNNING, TOO_SHORT = "crashed", "stopped", "running", "too short"
 
 
@@ -65,6 +73,15 @@ def _no_result(record: Dict) -> str:
         return RUNNING
     error = str(record.get("error") or "")
     return STOPPED if ("SIGTERM" in error or "SIGINT" in error or "KeyboardInterrupt" in error) else CRASHED
+
+
+def subset_size(record: Dict) -> Optional[int]:
+    """The most examples a task of this record was scored on when it is a subset evaluation (evaluate.py with
+    --max-batches: batches x batch size), else None (a full evaluation)."""
+    how = record.get("evaluation")
+    if not isinstance(how, dict) or how.get("max_batches") is None:
+        return None
+    return int(how["max_batches"]) * int(how.get("batch_size") or 1)
 
 
 def method_name(record: Dict) -> str:
@@ -106,6 +123,7 @@ class Row:
     values: List[Optional[float]]  # one per column; None: missing
     texts: List[str]  # the cells as printed, without bold
     diverged: bool
+    examples: Optional[int] = None  # a subset evaluation: the most examples a column was scored on
 
 
 @dataclass
@@ -140,7 +158,10 @@ def _row(record: Dict, setting: str) -> Row:
             texts[0] += SPIKE
         if record.get("status") in ("running", "stopped"):
             texts[0] += UNFINISHED
-    return Row(setting, method, values, texts, False)
+    examples = subset_size(record)
+    if examples is not None:
+        texts = [t if t == MISSING else t + SUBSET for t in texts]
+    return Row(setting, method, values, texts, False, examples)
 
 
 def _recipe_name(record: Dict) -> str:
@@ -177,7 +198,32 @@ def _aggregate(records: List[Dict], setting: str) -> Row:
     diverged = len(rows) - len(alive)
     if diverged:
         texts[0] += f", {diverged}/{len(rows)} diverge"
-    return Row(setting, rows[0].method, values, texts, False)
+    sizes = [r.examples for r in alive if r.examples is not None]
+    examples = min(sizes) if sizes else None
+    if examples is not None:
+        texts = [t if t == MISSING else t + SUBSET for t in texts]
+    return Row(setting, rows[0].method, values, texts, False, examples)
+
+
+def _preferred(a: Dict, b: Dict) -> tuple:
+    """(used, dropped) of two records of one run: a full evaluation over a subset, else the newer."""
+    if (subset_size(a) is None) != (subset_size(b) is None):
+        return (a, b) if subset_size(a) is None else (b, a)
+    older, newer = sorted((a, b), key=lambda r: r.get("updated", 0))
+    return newer, older
+
+
+def _clear_lead(best: float, runner_up: Optional[float], examples: Optional[int], column: int) -> bool:
+    """Whether an accuracy's lead (in %) exceeds two binomial standard errors at ``examples`` (None: a full task
+    set, bolded as the paper does; perplexity: only a full evaluation is bolded)."""
+    if examples is None:
+        return True
+    if column == 0:
+        return False
+    if runner_up is None:
+        return False
+    p = min(max(best / 100.0, 1e-9), 1 - 1e-9)
+    return (best - runner_up) / 100.0 > 2 * math.sqrt(p * (1 - p) / examples)
 
 
 def build_table(records: Iterable[Dict], warn=sys.stderr) -> Table:
@@ -186,12 +232,15 @@ def build_table(records: Iterable[Dict], warn=sys.stderr) -> Table:
         key = (rec.get("recipe_hash"), float(rec["learning_rate"]), rec.get("token_budget"), method_name(rec),
                rec.get("seed"))
         if key in newest:
-            older, newer = sorted((newest[key], rec), key=lambda r: r.get("updated", 0))
+            used, dropped = _preferred(newest[key], rec)
             if warn is not None:
-                print(f"make_tables: two runs of {key[3]} at {setting_label(*key[1:3])} (seed {key[4]}): using "
-                      f"{newer.get('path', '?')}, not {older.get('path', '?')}", file=warn)
-            rec = newer
+                why = (" (a full evaluation, not a subset)" if (subset_size(used) is None) != (subset_size(dropped)
+                                                                                              is None) else "")
+                print(f"make_tables: two records of {key[3]} at {setting_label(*key[1:3])} (seed {key[4]}): using "
+                      f"{used.get('path', '?')}{why}, not {dropped.get('path', '?')}", file=warn)
+            rec = used
         newest[key] = rec
+    mixed = len({isinstance(r.get("evaluation"), dict) for r in newest.values()}) > 1
     several_recipes = len({k[0] for k in newest}) > 1
     setting_keys = sorted({(k[2] or 0, k[1], str(k[0])) for k in newest})  # by token budget, learning rate, recipe
     settings, rows = [], []
@@ -203,8 +252,12 @@ def build_table(records: Iterable[Dict], warn=sys.stderr) -> Table:
         settings.append(label)
         by_method: Dict[str, List[Dict]] = {}
         for r in sorted(group, key=_sort_key):
-            by_method.setdefault(method_name(r), []).append(r)
-        rows.extend(_aggregate(members, label) for members in by_method.values())
+            source = " [evaluate.py]" if mixed and isinstance(r.get("evaluation"), dict) else ""
+            by_method.setdefault(method_name(r) + source, []).append(r)
+        for method, members in by_method.items():
+            row = _aggregate(members, label)
+            row.method = method
+            rows.append(row)
     best: Dict[Tuple[int, int], bool] = {}
     table = Table(settings, rows, best)
     for label in settings:
@@ -214,8 +267,11 @@ def build_table(records: Iterable[Dict], warn=sys.stderr) -> Table:
             if not vals:
                 continue
             target = (min if j == 0 else max)(v for _, v in vals)
+            others = sorted((v for _, v in vals if not math.isclose(v, target, rel_tol=0, abs_tol=1e-12)),
+                            reverse=j != 0)
             for i, v in vals:
-                if math.isclose(v, target, rel_tol=0, abs_tol=1e-12):
+                if math.isclose(v, target, rel_tol=0, abs_tol=1e-12) and _clear_lead(
+                        v, others[0] if others else None, table.rows[i].examples, j):
                     best[(i, j)] = True
     return table
 
@@ -253,7 +309,7 @@ _LATEX_ESCAPES = {"&": r"\&", "%": r"\%", "_": r"\_", "#": r"\#", "$": r"\$", "{
 
 def _tex(text: str) -> str:
     text = "".join(_LATEX_ESCAPES.get(c, c) for c in text)
-    return text.replace(SPIKE, r"$^{*}$").replace(UNFINISHED, r"$^{\dagger}$")
+    return text.replace(SPIKE, r"$^{*}$").replace(UNFINISHED, r"$^{\dagger}$").replace(SUBSET, r"$^{\ddagger}$")
 
 
 def to_latex(table: Table) -> str:
@@ -280,9 +336,21 @@ LEGEND = (
     'diverge: the divergence guard stopped the run (diverged or failed to converge); *: loss spikes during training; '
     "†: not finished (latest values); crashed / stopped / running: no evaluation yet (an error, a signal, still "
     "training); too short: ended before its loss could be judged (warmup plus one convergence window); "
-    "a ± b (n=k): mean and standard deviation over k seeds; "
-    "bold: best in its setting. PPL: validation perplexity; accuracies in %."
+    "a ± b (n=k): mean and standard deviation over k seeds; ‡: scored on a subset (evaluate.py --max-batches: at "
+    "most batches x batch size examples a task); "
+    "bold: best in its setting, where the sample can tell (not a subset's perplexity; an accuracy leading the "
+    "runner-up by more than two binomial standard errors at the examples scored). PPL: validation perplexity; "
+    "accuracies in %."
 )
+
+
+def subset_note(table: Table) -> Optional[str]:
+    """One line naming the subset sizes in the table, or None."""
+    sizes = sorted({r.examples for r in table.rows if r.examples is not None})
+    if not sizes:
+        return None
+    return (f"‡ subset evaluation: at most {', '.join(map(str, sizes))} examples a task (and as many sequences of "
+            "validation text), not the run's full evaluation.")
 
 
 def render(table: Table, fmt: str) -> str:

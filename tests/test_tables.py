@@ -77,7 +77,7 @@ def test_newest_record_of_a_method_and_setting_wins(capsys):
     for order in ([old, new], [new, old]):
         table = build_table(order, warn=sys.stderr)
         assert [r.texts[0] for r in table.rows] == ["11.00"]
-    assert "two runs of Pre-Norm" in capsys.readouterr().err
+    assert "two records of Pre-Norm" in capsys.readouterr().err
 
 
 def test_number_formats():
@@ -157,3 +157,45 @@ def test_crashed_stopped_running_and_too_short_runs_are_marked_and_empty_columns
     assert build_table(seeds, warn=None).rows[0].texts[0] == "crashed"  # every seed crashed: said so
     full = to_markdown(build_table(RECORDS, warn=None)).splitlines()[0]
     assert full.count("|") == 12  # with downstream values: all nine columns
+
+
+def _evaluated(record, max_batches, batch_size=8, t=3.0, **changes):
+    """``record`` as evaluate.py writes it: an ``evaluation`` field (a subset with ``max_batches``), newer."""
+    return {**record, **changes, "updated": t, "path": "eval/evaluation.json",
+            "evaluation": {"source": "runs/x", "tasks": [], "tokens": [], "max_batches": max_batches,
+                           "batch_size": batch_size}}
+
+
+def test_a_subset_evaluation_never_replaces_the_runs_own_numbers_and_is_marked(capsys):
+    from siamesenorm.tables import LEGEND, subset_note
+
+    run = {**rec("hybrid_pre", 1e-3, 88.28), "path": "runs/x/run.json"}
+    subset = _evaluated(run, 2, val_perplexity=85.96)
+    table = build_table([run, subset], warn=sys.stderr)
+    assert [r.texts[0] for r in table.rows] == ["88.28"]  # the run's own, though the subset record is newer
+    assert "using runs/x/run.json (a full evaluation, not a subset), not eval/evaluation.json" in \
+        capsys.readouterr().err
+    # alone beside another method's run: marked, its source named, its size under the table, never bold
+    table = build_table([subset, {**rec("pre", 1e-3, 90.0), "path": "runs/y/run.json"}], warn=None)
+    rows = {r.method: r for r in table.rows}
+    assert rows["SiameseNorm [evaluate.py]"].texts[0] == "85.96‡" and rows["Pre-Norm"].texts[0] == "90.00"
+    assert not any(table.best.values())  # the lower perplexity is a subset's: nothing can be called best
+    assert "‡" in to_markdown(table) and "16 examples" in subset_note(table) and "‡" in LEGEND
+
+
+def test_bold_only_where_the_sample_can_tell():
+    a = [0.625, 0.30, 0.50, 0.70, 0.55, 0.35, 0.28]
+    b = [0.500, 0.30, 0.50, 0.70, 0.55, 0.35, 0.28]
+    def bold(table, column):
+        siamese = next(i for i, r in enumerate(table.rows) if r.method.startswith("SiameseNorm"))
+        return bool(table.best.get((siamese, column)))
+
+    full = build_table([rec("hybrid_pre", 1e-3, 10.0, a), rec("pre", 1e-3, 10.5, b)], warn=None)
+    assert bold(full, 1) and bold(full, 0)  # full task sets: bold as the paper does
+    sixteen = build_table([_evaluated(rec("hybrid_pre", 1e-3, 10.0, a), 2),
+                           _evaluated(rec("pre", 1e-3, 10.5, b), 2)], warn=None)
+    assert not bold(sixteen, 1)  # 62.5 against 50.0 over 16 examples: within two standard errors
+    many = build_table([_evaluated(rec("hybrid_pre", 1e-3, 10.0, a), 200),
+                        _evaluated(rec("pre", 1e-3, 10.5, b), 200)], warn=None)
+    assert bold(many, 1)  # the same lead over 1,600 examples is clear
+    assert not bold(many, 0)  # a subset's perplexity is never bold
