@@ -35,18 +35,19 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ]; then
   echo "[setup] $CORE_PIN for the OLMo-core path (without dependencies: it replaces ai2-olmo's pin of 0.1.0)"
   "$VENV/bin/python" -m pip install --progress-bar off --no-deps "$CORE_PIN" 2>&1 \
     | grep --line-buffered -E "^(Successfully installed|ERROR: (Could|No matching))" | sed -u 's/^/[setup] /' || true
-  TRITON_PIN="$("$VENV/bin/python" -c "import sys, tomllib; print(tomllib.load(open(sys.argv[1], 'rb'))['tool']['siamesenorm']['triton-interpreter'])" "$ROOT/pyproject.toml")"
-  echo "[setup] $TRITON_PIN into $VENV/triton-interpreter, for the tests of the fused kernels in Triton's interpreter"
-  rm -rf "$VENV/triton-interpreter"
-  "$VENV/bin/python" -m pip install --progress-bar off --no-deps --target "$VENV/triton-interpreter" "$TRITON_PIN" 2>&1 \
-    | grep --line-buffered -E "^(Successfully installed|ERROR: (Could|No matching))" | sed -u 's/^/[setup] /' || true
-  test -d "$VENV/triton-interpreter/triton" || { echo "[setup] $TRITON_PIN did not install; see pip's messages above" >&2; exit 1; }
-  NEWEST_PIN="$("$VENV/bin/python" -c "import sys, tomllib; print(tomllib.load(open(sys.argv[1], 'rb'))['tool']['siamesenorm']['transformers-newest'])" "$ROOT/pyproject.toml")"
-  echo "[setup] $NEWEST_PIN into $VENV/transformers-newest, for the tests of exports under the newest transformers"
-  rm -rf "$VENV/transformers-newest"
-  "$VENV/bin/python" -m pip install --progress-bar off --no-deps --target "$VENV/transformers-newest" "$NEWEST_PIN" 2>&1 \
-    | grep --line-buffered -E "^(Successfully installed|ERROR: (Could|No matching))" | sed -u 's/^/[setup] /' || true
-  test -d "$VENV/transformers-newest/transformers" || { echo "[setup] $NEWEST_PIN did not install; see pip's messages above" >&2; exit 1; }
+  # A pin of [tool.siamesenorm] into a folder of its own under $VENV, without dependencies; the tests put that folder
+  # on the path where they need it (pyproject.toml says why each is not in the environment itself).
+  install_beside() {  # KEY PACKAGE WHAT
+    local pin
+    pin="$("$VENV/bin/python" -c "import sys, tomllib; print(tomllib.load(open(sys.argv[1], 'rb'))['tool']['siamesenorm'][sys.argv[2]])" "$ROOT/pyproject.toml" "$1")"
+    echo "[setup] $pin into $VENV/$1, $3"
+    rm -rf "${VENV:?}/$1"
+    "$VENV/bin/python" -m pip install --progress-bar off --no-deps --target "$VENV/$1" "$pin" 2>&1 \
+      | grep --line-buffered -E "^(Successfully installed|ERROR: (Could|No matching))" | sed -u 's/^/[setup] /' || true
+    test -d "$VENV/$1/$2" || { echo "[setup] $pin did not install; see pip's messages above" >&2; exit 1; }
+  }
+  install_beside triton-interpreter triton "for the tests of the fused kernels in Triton's interpreter"
+  install_beside transformers-newest transformers "for the tests of exports under the newest transformers"
   "$VENV/bin/python" -c "import siamesenorm, olmo, transformers, siamesenorm.olmo_core.config" \
     || { echo "[setup] the install failed; see pip's messages above" >&2; exit 1; }
   echo "$WANT" > "$STAMP"
