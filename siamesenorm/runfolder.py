@@ -35,14 +35,16 @@ import logging
 import os
 import shutil
 import socket
+import sys
 import time
 from pathlib import Path
 from typing import Any, Optional
 
+from olmo.exceptions import OLMoConfigurationError
 from olmo.util import find_latest_checkpoint
 from omegaconf import OmegaConf as om
 
-from .checkpoints import check_saved_yaml, load_saved_config
+from .checkpoints import UnsafeCheckpoint, check_saved_yaml, load_saved_config
 from .config import SiameseModelConfig, resolve_model_type
 from .console import attach_run_log
 from .records import RECORD_NAME
@@ -66,10 +68,14 @@ LOCK_NAME = ".run.lock"
 
 @contextlib.contextmanager
 def hold_run_folder(folder: str | Path):
-    """Hold ``folder`` for this process (module docstring); RunError naming the owner if another process holds it."""
+    """Hold ``folder`` for this process (module docstring); RunError naming the owner if another process holds it.
+    A start refused inside (a config or checkpoint error, before training) leaves no owner behind, and no folder
+    when the folder did not exist before and holds nothing but the lock."""
     folder = Path(folder)
+    existed = folder.exists()
     folder.mkdir(parents=True, exist_ok=True)
     fd = os.open(folder / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    refused = False
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -83,10 +89,19 @@ def hold_run_folder(folder: str | Path):
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"host": socket.gethostname(), "pid": os.getpid(),
                                   "started": time.strftime("%Y-%m-%d %H:%M:%S")}).encode(), 0)
-        yield
-        os.ftruncate(fd, 0)  # a clean end leaves no owner behind
+        try:
+            yield
+        except (OLMoConfigurationError, UnsafeCheckpoint):  # a refusal: a clean end, not a run that died
+            refused = True
+            raise
+        finally:
+            if refused or not sys.exc_info()[0]:
+                os.ftruncate(fd, 0)  # a clean end leaves no owner behind
     finally:
         os.close(fd)  # releases the lock
+        if refused and not existed and [p.name for p in folder.iterdir()] == [LOCK_NAME]:
+            (folder / LOCK_NAME).unlink()
+            folder.rmdir()
 
 
 def _lock_owner(fd: int, default: str = "owner unknown") -> str:

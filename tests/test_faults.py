@@ -315,3 +315,17 @@ def test_ctrl_c_is_one_line_exit_130_and_a_stopped_record(tmp_path, data):  # no
     assert err.strip().splitlines()[-1] == ("stopped: interrupted (Ctrl-C); rerun the same command to resume from "
                                             "the latest checkpoint")
     assert record(folder)["status"] == "stopped"
+
+
+def test_a_refused_start_leaves_no_folder_and_no_owner(tmp_path, data):  # noqa: F811
+    folder = tmp_path / "new"
+    refused = train([f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=2"], check=False,
+                    MODEL_TYPE="nonsense_type")
+    assert refused.returncode == 2 and "Unknown MODEL_TYPE 'nonsense_type'" in error_line(refused)
+    assert not folder.exists()  # no empty folder with a lock file in it
+    args = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--save_interval_unsharded=2"]
+    train([*args, "--max_duration=2"])
+    refused = train([*args, "--max_duration=4", "--try_load_latest_save=false"], check=False)
+    assert refused.returncode == 2 and "holds the checkpoint step2-unsharded" in error_line(refused)
+    resumed = train([*args, "--max_duration=4"])  # the recipe resumes; no stale owner from the refused start
+    assert "taking over the lock" not in resumed.stderr and metric_steps(folder) == [1, 2, 3, 4]
