@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
@@ -244,7 +245,18 @@ def write_export(model: SiameseOlmoForCausalLM, tokenizer: Optional[PreTrainedTo
         config_file.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     card = _llama_card(source_config, source) if as_llama else _model_card(source_config, source, no_remote)
     (out / "README.md").write_text(card)
+    _readable_as_umask_allows(out)
     return "llama" if as_llama else "siamesenorm"
+
+
+def _readable_as_umask_allows(folder: Path) -> None:
+    """Every file of an export with the mode a plain ``open()`` would give it (0666 less the umask): safetensors
+    writes model.safetensors 0600, which others on a shared cluster cannot read."""
+    umask = os.umask(0)
+    os.umask(umask)
+    for path in folder.rglob("*"):
+        if path.is_file():
+            path.chmod(0o666 & ~umask)
 
 
 def _llama_card(config: SiameseOlmoConfig, source: Path) -> str:

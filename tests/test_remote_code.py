@@ -122,6 +122,9 @@ def test_every_model_type_loads_with_transformers_alone_with_olmos_logits(tmp_pa
         assert write_export(hf, None, Path("test"), folder, format="siamesenorm") == "siamesenorm"
         config = json.loads((folder / "config.json").read_text())
         assert config["auto_map"] == AUTO_MAP and config["olmo"]["model_type"] == model_type
+        umask = os.umask(0)
+        os.umask(umask)
+        assert {p.stat().st_mode & 0o777 for p in folder.iterdir()} == {0o666 & ~umask}  # readable by the group
         with torch.no_grad():
             references.append((model(torch.tensor([IDS])).logits, greedy(model, torch.tensor([IDS]), 6)))
         folders.append(folder)
