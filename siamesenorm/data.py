@@ -148,9 +148,25 @@ def _iter_hf(spec: str, split: str, text_field: str) -> Iterator[str]:
     import datasets
 
     _, name, *rest = spec.split(":")
-    ds = datasets.load_dataset(name, rest[0] if rest else None, split=split, streaming=True)
-    for row in ds:
-        yield row[text_field]
+    rows = iter(())
+    try:
+        rows = iter(datasets.load_dataset(name, rest[0] if rest else None, split=split, streaming=True))
+        while True:
+            try:
+                row = next(rows)
+            except StopIteration:
+                return
+            yield row[text_field]
+    except (DataPreparationError, KeyboardInterrupt, GeneratorExit):
+        raise
+    except KeyError:
+        raise DataPreparationError(f"{spec}: no field {text_field!r} in its rows; pass --text-field.") from None
+    except Exception as e:  # the Hub's errors come as many classes (requests, httpx, huggingface_hub, OSError)
+        text = " ".join(str(e).split())[:160]
+        raise DataPreparationError(
+            f"{spec}: the Hugging Face Hub could not be read ({type(e).__name__}: {text}). Check the network (and "
+            "that HF_HUB_OFFLINE is unset), or prepare local files instead: python scripts/prepare_data.py "
+            "data/austen.jsonl.gz --tokenizer data/tokenizer-austen-2k.json --output data/prepared/austen-2k") from None
 
 
 def iter_documents(settings: PrepareSettings, skips: Skips) -> Iterator[str]:

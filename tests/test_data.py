@@ -3,6 +3,9 @@
 import gzip
 import hashlib
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -185,3 +188,15 @@ def test_progress_total_counts_the_documents_cheaply(tmp_path):
         f.write("".join(json.dumps({"text": f"row {i}"}) + "\n" for i in range(5)))
     assert count_documents(PrepareSettings([str(folder)])) == 8
     assert count_documents(PrepareSettings(["hf:HuggingFaceFW/fineweb-edu"])) is None  # streamed: unknown
+
+
+def test_an_unreachable_hub_is_one_line(tmp_path):
+    """The README's FineWeb-Edu command without a network (HF_HUB_OFFLINE: fails at once, as an unreachable Hub
+    does after its retries): one line that says what to do, exit 2, no traceback."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "prepare_data.py"), "--max-documents", "10",
+                           "--output", str(tmp_path / "out")], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "HF_HUB_OFFLINE": "1"})
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    line = proc.stderr.strip().splitlines()[-1]
+    assert line.startswith("error: hf:HuggingFaceFW/fineweb-edu:sample-10BT: the Hugging Face Hub could not be read")
+    assert "prepare local files instead" in line
