@@ -235,9 +235,13 @@ def _torch_allowed(bound: _ShardedBound) -> Dict[str, Any]:
             raise _Refused("a tensor rebuilt in an unknown way")
         if not isinstance(args, tuple):
             raise _Refused("a tensor rebuilt from arguments that are not a tuple")
-        if new_type is _TENSOR and state not in (None, {}) and not (isinstance(state, OrderedDict) and not state):
-            # a plain tensor's state is set attribute by attribute (``data`` among them: a second view)
-            raise _Refused("a plain tensor with attributes set after its rebuild")
+        if new_type is _TENSOR and state is not None and not (
+                isinstance(state, dict) and all(isinstance(k, str) and k not in _TENSOR_INTERNALS
+                                                and isinstance(v, (bool, int, float, str, type(None)))
+                                                for k, v in state.items())):
+            # a plain tensor's state is set attribute by attribute: plain flags (FSDP writes _has_been_cloned) are
+            # fine; ``data``, ``grad`` and the like would put a second view in place of the checked one
+            raise _Refused("a plain tensor whose state sets more than plain attributes after its rebuild")
         tensor = func(*args)
         if not isinstance(tensor, _Tensor):
             raise _Refused("a tensor rebuilt as something else")
@@ -290,6 +294,9 @@ def _torch_allowed(bound: _ShardedBound) -> Dict[str, Any]:
 
 
 _TENSOR = object()  # torch.Tensor as _rebuild_from_type_v2's new_type
+#: Attributes a plain tensor's saved state may not set (each replaces what the tensor is or holds).
+_TENSOR_INTERNALS = frozenset({"data", "grad", "_grad", "_base", "_backward_hooks", "_post_accumulate_grad_hooks",
+                               "_grad_fn", "requires_grad", "_cdata", "__class__", "__dict__"})
 _TORCH_DTYPES = [getattr(torch, n) for n in ("float64", "float32", "float16", "bfloat16", "int64", "int32", "int16",
                                              "int8", "uint8", "bool", "complex64", "complex128")]
 _STORAGE_NAMES = {torch.float64: "DoubleStorage", torch.float32: "FloatStorage", torch.float16: "HalfStorage",

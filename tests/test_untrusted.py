@@ -629,3 +629,35 @@ def test_a_sweep_plan_with_bad_values_is_one_line_before_any_folder(tmp_path, gr
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith(f"error: {plan}: ") and words in line, line
     assert not (tmp_path / "runs").exists() and not (tmp_path / "results").exists()
+
+
+def test_a_plain_tensors_state_may_set_flags_but_not_its_data(tmp_path):
+    """FSDP writes plain tensors with a flag in their state (``_has_been_cloned``): accepted; a state that sets
+    ``data`` (another view in place of the checked one) is refused."""
+    for state, refused in (({"_has_been_cloned": True}, False), ({"data": "x"}, True), ({"grad": None}, True)):
+        t = torch.arange(3.0)
+        for k, v in state.items():
+            if k not in ("data", "grad"):
+                setattr(t, k, v)
+        path = tmp_path / "t.pt"
+        torch.save({"w": t}, path)
+        if refused:  # torch.save never writes such a state: crafted with _rebuild_from_type_v2
+            path = tmp_path / "crafted.pt"
+            torch.save({"w": _StateTensor(dict(state))}, path)
+            with pytest.raises(UnsafeCheckpoint, match="sets more than plain attributes"):
+                load(path)
+        else:
+            assert load(path)["w"].tolist() == [0.0, 1.0, 2.0]
+
+
+class _StateTensor:
+    """Pickles as torch._tensor._rebuild_from_type_v2(_rebuild_tensor_v2, Tensor, (...), state)."""
+
+    def __init__(self, state):
+        self.state = state
+
+    def __reduce__(self):
+        t = torch.arange(3.0)
+        storage = torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
+        args = (storage, 0, (3,), (1,), False, OrderedDict())
+        return torch._tensor._rebuild_from_type_v2, (torch._utils._rebuild_tensor_v2, torch.Tensor, args, self.state)
