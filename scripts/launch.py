@@ -44,6 +44,12 @@ def main(argv) -> int:
         print(f"{USAGE}\nerror: no CONFIG.yaml among the arguments; see --help", file=sys.stderr)
         return 2
     torchrun_args, config, overrides = argv[:split], argv[split], argv[split + 1 :]
+    from siamesenorm.config_keys import unknown_key  # a typo: one line before torchrun starts any worker
+
+    typo = unknown_key(config, overrides)
+    if typo:
+        print(f"error: {typo}", file=sys.stderr)
+        return 2
     from siamesenorm.train import QUIET_DIVERGENCE  # after --help: it imports torch and OLMo
 
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, str(ROOT / "scripts" / "train.py"), config,

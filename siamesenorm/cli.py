@@ -29,6 +29,17 @@ _MODEL_TYPE_RULE = ("MODEL_TYPE picks the block: the environment variable MODEL_
                     "model.model_type, else pre.")
 
 
+def _refuse_unknown_keys(config: str, overrides) -> None:
+    """A typo in the recipe or an override: one line and exit 2 before OLMo and torch are imported."""
+    from .config_keys import unknown_key
+
+    message = unknown_key(config, overrides)
+    if message:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def train_main(argv=None) -> None:
     parser = argparse.ArgumentParser(
         description="Train an OLMo model of any MODEL_TYPE with OLMo's Trainer (launch with torchrun, or plain "
@@ -58,6 +69,7 @@ Examples:
                         help="check everything a real start checks (config, run folder, data), print the resolved "
                         "config, the parameter count and what a real start would do; train nothing")
     args, overrides = parser.parse_known_args(argv)
+    _refuse_unknown_keys(args.config, overrides)
     _logging()
     from .checkpoints import UnsafeCheckpoint
     from .train import Terminated, main
@@ -99,6 +111,7 @@ Examples:
     )
     parser.add_argument("config", help="YAML recipe (configs/*.yaml), the same files scripts/train.py reads")
     args, overrides = parser.parse_known_args(argv)
+    _refuse_unknown_keys(args.config, overrides)
     from .checkpoints import UnsafeCheckpoint
 
     try:

@@ -233,3 +233,55 @@ def test_a_mistyped_recipe_path_gets_did_you_mean():
         load_config(str(Path("configs") / "OLMo-1B-hybrid-2e3.yaml"))
     with pytest.raises(RunError, match="not found; pick one from configs/"):
         load_config("configs/zzzzzzzzzzzzzzzzzzzzzzzzz.yaml")
+
+
+def test_the_stored_config_keys_are_the_config_s_fields():
+    """siamesenorm/config_keys.json (read before the heavy imports) is regenerated from the dataclasses; a field added
+    to the config or a knob added to a variant without `python -m siamesenorm.config_keys --write` fails here."""
+    from siamesenorm.config_keys import KEY_FILE, key_tree
+
+    assert json.loads(KEY_FILE.read_text()) == json.loads(json.dumps(key_tree())), \
+        "run: python -m siamesenorm.config_keys --write"
+
+
+_TYPO_IMPORTS = """
+import sys
+from siamesenorm import cli
+try:
+    getattr(cli, sys.argv[1])(sys.argv[2:])
+except SystemExit as e:
+    print("EXIT", e.code, ",".join(m for m in ("torch", "olmo", "olmo_core") if m in sys.modules), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("main,args,says", [
+    ("train_main", ["configs/tiny-cpu.yaml", "--optimizer.learnig_rate=1e-3"],
+     "--optimizer.learnig_rate is not a field of optimizer; did you mean optimizer.learning_rate?"),
+    ("train_main", ["configs/tiny-cpu.yaml", "--dry-run", "--model.n_layer=2"],
+     "--model.n_layer is not a field of model; did you mean model.n_layers?"),
+    ("olmo_core_train_main", ["configs/tiny-cpu.yaml", "--modle.n_layers=2"],
+     "--modle is not a field of the config; did you mean model?"),
+    ("train_main", ["RECIPE"], "model.d_modle is not a field of model; did you mean model.d_model?"),
+])
+def test_a_typo_is_one_line_before_torch_or_olmo_is_imported(main, args, says, tmp_path):
+    """The issue measured 6-7 s of imports before a typo was reported; the check is on what was imported when the
+    command exited (device-independent), not on time."""
+    recipe = tmp_path / "typo.yaml"
+    recipe.write_text((ROOT / "configs" / "tiny-cpu.yaml").read_text().replace("  d_model:", "  d_modle:", 1))
+    args = [str(recipe) if a == "RECIPE" else a for a in args]
+    proc = subprocess.run([sys.executable, "-c", _TYPO_IMPORTS, main, *args], cwd=ROOT, capture_output=True,
+                          text=True, timeout=120)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2 and lines[0].startswith("error: ") and says in lines[0], proc.stderr[-2000:]
+    assert lines[1].rstrip() == "EXIT 2", f"exit status or heavy imports: {lines[1]}"
+
+
+def test_known_keys_and_list_items_pass_the_light_check():
+    """One-sided: a known key, a bare flag, a list item or a free-form value is never named (the full load judges)."""
+    from siamesenorm.config_keys import unknown_key
+
+    recipes = sorted((ROOT / "configs").glob("*.yaml"))
+    assert recipes and all(unknown_key(str(r), []) is None for r in recipes)
+    assert unknown_key("configs/tiny-cpu.yaml", ["--save_overwrite", "--model.siamese_depth_scaling=false",
+                                                   "--optimizer.learning_rate=1", "--evaluators.0.label=x",
+                                                   "--model.n_layers.x=1", "positional"]) is None
