@@ -226,8 +226,9 @@ def stream_ratios(model: OLMo) -> Dict:
             x, y = _scale(sx), _scale(sy)
             scales[sub].append([x, y])
             out[sub].append(None if x is None or not y else x / y)
-    return {"model_type": model.config.model_type, "layers": list(range(len(blocks))), "ratio_x_over_y": out,
-            "scales_x_y": scales, "streams": stream_names(model)}
+    return {"model_type": model.config.model_type, "layers": list(range(1, len(blocks) + 1)), "ratio_x_over_y": out,
+            "scales_x_y": scales, "streams": stream_names(model),
+            "note": "layer l = block l (1-based; 0 would be the embedding, which has no sublayers)"}
 
 
 # ---- section 5.2: fusion weights and logit lens ---------------------------------------------------------------------
@@ -313,7 +314,8 @@ def depth_probe(model: OLMo, batch: torch.Tensor, max_k: Optional[int] = None) -
             last_k.append(perplexity(model, batch))
     return {"model_type": model.config.model_type, "layers": n, "perplexity": full,
             "without_layer": single, "without_last_k": last_k,
-            "note": "without_last_k[k]: the last k layers removed; without_last_k[0] is the full model"}
+            "note": "without_layer[l - 1]: layer l (block l, 1-based) removed; without_last_k[k]: the last k layers "
+                    "removed; without_last_k[0] is the full model"}
 
 
 # ---- figures 2b, 4, 5, 8: curves from metrics.jsonl ------------------------------------------------------------------

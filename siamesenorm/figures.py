@@ -94,10 +94,23 @@ def integer_ticks(ax, axis: str = "x") -> None:
     getattr(ax, f"{axis}axis").set_major_locator(MaxNLocator(integer=True))
 
 
+#: The words every log axis's label ends with (a reader cannot tell a log axis from its ticks alone).
+LOG_SCALE = "(log scale)"
+
+#: How every figure numbers layers: 0 is the embedding (before any block), layer l the output of block l (1-based).
+LAYER_AXIS = "layer (0 = embedding, l = after block l)"
+
+
 def readable_log(ax, axis: str = "y") -> None:
-    """A log axis labelled at 1, 2 and 5 times each power of ten, in plain numbers (not only at 10^k)."""
+    """Make ``axis`` logarithmic, labelled at 1, 2 and 5 times each power of ten in plain numbers (not only at
+    10^k), its label ending in "(log scale)" (panels beside it that share the axis carry no label of their own).
+    Call it after the label is set."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
+    getattr(ax, f"set_{axis}scale")("log")
+    label = getattr(ax, f"get_{axis}label")()
+    if label and LOG_SCALE not in label:
+        getattr(ax, f"set_{axis}label")(f"{label} {LOG_SCALE}")
     target = getattr(ax, f"{axis}axis")
     target.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
     target.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
@@ -166,11 +179,11 @@ def plot(tool: str, result: Dict, path: str | Path, smooth: int = 1) -> Path:
         fig, ax = plt.subplots(figsize=(6.4, 4.2))
         for sub, ls in (("attention", "-"), ("mlp", "--")):
             values = [math.nan if v is None else v for v in result["ratio_x_over_y"][sub]]
-            ax.plot(result["layers"], values, ls=ls, marker="o", ms=3, color=colour(result["model_type"]),
-                    label=f"{sub} sublayer")
+            ax.plot(range(1, len(values) + 1), values, ls=ls, marker="o", ms=3,  # block l is layer l
+                    color=colour(result["model_type"]), label=f"{sub} sublayer")
         ax.axhline(1.0, color="grey", lw=0.5)
         integer_ticks(ax)
-        ax.set(xlabel="layer", ylabel="input scale X / Y",
+        ax.set(xlabel="layer (block l)", ylabel="input scale X / Y",
                title=f"Stream input-scale ratio, {method_label(result['model_type'])}")
         _legend(ax)
         return save(fig, path, "Learned scale of the bounded stream's input over the Pre-Norm stream's, per sublayer "
@@ -193,10 +206,10 @@ def plot(tool: str, result: Dict, path: str | Path, smooth: int = 1) -> Path:
         fig, (left, right) = plt.subplots(1, 2, figsize=(9.0, 3.8), sharey=True)
         c = colour(result["model_type"])
         n = result["layers"]
-        left.plot(range(n), result["without_layer"], marker="o", ms=4, color=c)
-        left.set(xlabel="layer removed", ylabel="validation perplexity", yscale="log", title="one layer removed")
+        left.plot(range(1, n + 1), result["without_layer"], marker="o", ms=4, color=c)  # block l is layer l
+        left.set(xlabel="layer removed (block l)", ylabel="validation perplexity", title="one layer removed")
         right.plot(range(len(result["without_last_k"])), result["without_last_k"], marker="s", ms=4, color=c)
-        right.set(xlabel="k (last k layers removed; 0 = full model)", yscale="log", title="last k layers removed")
+        right.set(xlabel="k (last k layers removed; 0 = full model)", title="last k layers removed")
         for ax in (left, right):
             ax.axhline(result["perplexity"], color="grey", lw=0.7, ls="--", label="full model")
             integer_ticks(ax)
@@ -209,10 +222,8 @@ def plot(tool: str, result: Dict, path: str | Path, smooth: int = 1) -> Path:
         with_val = key == "loss" and any(c.get("val_steps") for c in result["runs"].values())
         fig, axes = plt.subplots(1, 2 if with_val else 1, figsize=(10.0 if with_val else 6.4, 4.2), squeeze=False)
         drawn = _curves(axes[0][0], result["runs"], key, smooth)
-        axes[0][0].set(xlabel="step", ylabel="gradient norm (log scale)" if key == "grad_norm" else
-                       "training loss (nats)")
+        axes[0][0].set(xlabel="step", ylabel="gradient norm" if key == "grad_norm" else "training loss (nats)")
         if key == "grad_norm":
-            axes[0][0].set_yscale("log")
             readable_log(axes[0][0])
         if with_val:
             _curves(axes[0][1], result["runs"], "val_loss", 1, steps_key="val_steps")
@@ -235,7 +246,7 @@ def _magnitudes(ax, models: Dict[str, Dict]) -> None:
             name = label if len(streams) == 1 else f"{label}: {stream_label(stream)}"
             ax.plot(result["layers"], values, marker="o", ms=3, color=c, ls=_LINESTYLES[i % len(_LINESTYLES)],
                     label=name)
-    ax.set(xlabel="layer (0 = embedding)", ylabel="hidden-state RMS", yscale="log")
+    ax.set(xlabel=LAYER_AXIS, ylabel="hidden-state RMS")
     integer_ticks(ax)
     readable_log(ax)
     _legend(ax)

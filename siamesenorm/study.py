@@ -15,6 +15,7 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from .figures import (
+    LAYER_AXIS,
     LEGEND_PT,
     SPARSE,
     colour,
@@ -155,7 +156,7 @@ def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int 
             first_seed[k] = c
     seed_one = list(first_seed.values())
     panels = (("loss", "training loss (nats)", smooth, "loss"), ("val_loss", "validation loss (nats)", 1, "val-loss"),
-              ("grad_norm", "gradient norm (log scale)", smooth, "grad-norms"))
+              ("grad_norm", "gradient norm", smooth, "grad-norms"))
     for key, ylabel, window, name in panels:
         drawn = {"stopped": False, "spikes": False}
         fig, axes = plt.subplots(1, len(lrs), figsize=(3.6 * len(lrs), 3.6), sharey=True, squeeze=False)
@@ -177,10 +178,10 @@ def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int 
                                       run_events(c["record"]), colour(mt))
                     drawn = {k: drawn[k] or got[k] for k in drawn}
             ax.set(title=f"lr {format_lr(lr)}", xlabel="step")
-            if key == "grad_norm":
-                ax.set_yscale("log")
-                readable_log(ax)
         axes[0][0].set_ylabel(ylabel)
+        if key == "grad_norm":
+            for ax in axes[0]:
+                readable_log(ax)
         handles = {}
         for ax in axes[0]:
             for h, label in zip(*ax.get_legend_handles_labels()):
@@ -211,7 +212,7 @@ def figures(results: str | Path, out: str | Path, fmt: str = "png", smooth: int 
                 label = method_label(mt) + ("" if len(streams) == 1 else f": {stream_label(stream)}")
                 ax.plot(range(len(values)), values, color=colour(mt), ls=("-", "--", ":", "-.")[i % 4], marker="o",
                         ms=3, label=label)
-        ax.set(xlabel="layer (0 = embedding)", ylabel="hidden-state RMS", yscale="log",
+        ax.set(xlabel=LAYER_AXIS, ylabel="hidden-state RMS",
                title=f"Hidden-state magnitude after training, lr {format_lr(middle)}")
         integer_ticks(ax)
         readable_log(ax)

@@ -14,7 +14,8 @@ from typing import Dict, List, Optional
 
 import yaml
 
-from .figures import LEGEND_PT, colour, integer_ticks, method_label, pyplot, readable_log, save, stream_label
+from .figures import (LAYER_AXIS, LEGEND_PT, colour, integer_ticks, method_label, pyplot, readable_log, save,
+                      stream_label)
 from .study import load_cells
 from .tables import METHOD_NAMES, format_lr
 
@@ -139,8 +140,9 @@ def figures(summary: Dict, out: str | Path, fmt: str = "png") -> List[Path]:
             for d, r in rows:
                 alive = [v for v in r["ppl"]["values"] if v is not None]
                 ax.scatter([int(d)] * len(alive), alive, s=10, color=colour(mt), alpha=0.5)
-        ax.set(xscale="log", xlabel="layers (about 0.66M non-embedding parameters at every depth)",
+        ax.set(xlabel="layers (about 0.66M non-embedding parameters at every depth)",
                ylabel="validation perplexity", title="Depth at fixed parameters, lr 1e-2")
+        readable_log(ax, "x")
         ax.set_xticks([4, 8, 16, 32, 64], labels=["4", "8", "16", "32", "64"])
         ax.legend(fontsize=LEGEND_PT)
         written.append(save(fig, out / f"v2-depth.{fmt}", "line: mean over seeds; dots: each seed."))
@@ -166,7 +168,7 @@ def figures(summary: Dict, out: str | Path, fmt: str = "png") -> List[Path]:
                 label = method_label(mt) + ("" if len(summary["massive"][mt]) == 1 else f": {stream_label(stream)}")
                 ax.plot(range(len(v["ratio"])), v["ratio"], color=colour(mt), ls=("-", "--")[i % 2], marker="o",
                         ms=3, label=label)
-        ax.set(xlabel="layer (0 = embedding)", ylabel="largest |h| / median |h|", yscale="log",
+        ax.set(xlabel=LAYER_AXIS, ylabel="largest |h| / median |h|",
                title="Massive activations, lr 1e-2, depth 16")
         integer_ticks(ax)
         readable_log(ax)

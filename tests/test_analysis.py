@@ -4,6 +4,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -201,3 +202,44 @@ def test_figure_conventions_smoothing_keeps_early_steps_captions_beside_not_insi
     assert markers["short"] == "o" and markers["long"] in ("None", None, "")  # markers only on the sparse series
     assert ax.get_ylabel() == "" and not fig.texts  # nothing written into the figure outside the axes
     plt.close(fig)
+
+
+def test_every_analysis_figure_says_log_scale_and_numbers_layers_one_way(tmp_path, monkeypatch):
+    """A log axis says so in its label; a layer axis numbers the embedding 0 and block l as l in every figure (the
+    issue found 1-4 in one figure and 0-3 in another for the same four blocks)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from siamesenorm import figures
+
+    figs = {}
+    monkeypatch.setattr(figures, "save", lambda fig, path, caption="", **kw: figs.setdefault(Path(path).stem, fig))
+    torch.manual_seed(0)
+    batch = ids(batch=2, length=16)
+    model = randomize(build_model(tiny_config(n_layers=4), "hybrid_pre")).eval()
+    results = {"magnitudes": analysis.hidden_magnitudes(model, batch), "stream-ratios": analysis.stream_ratios(model),
+               "depth": analysis.depth_probe(model, batch),
+               "grad-norms": {"metric": "grad_norm", "runs": {"a": {"model_type": "pre", "steps": [1, 2, 3],
+                                                                    "grad_norm": [3.0, 0.5, 0.2]}}}}
+    for tool, result in results.items():
+        figures.plot(tool, result, tmp_path / f"{tool}.png")
+    assert set(figs) == set(results)
+    log_axes, layer_xs = 0, {}
+    for name, fig in figs.items():
+        for ax in fig.axes:
+            for axis in ("x", "y"):
+                label = getattr(ax, f"get_{axis}label")()
+                if getattr(ax, f"get_{axis}scale")() == "log":
+                    log_axes += 1
+                    shared = axis == "y" and not label and any(
+                        other.get_ylabel() for other in ax.get_shared_y_axes().get_siblings(ax))
+                    assert "(log scale)" in label or shared, (name, axis, label)
+                else:
+                    assert "log" not in label, (name, axis, label)
+            if ax.get_xlabel().startswith("layer"):
+                xs = sorted({float(x) for line in ax.get_lines() if line.get_transform() == ax.transData
+                             for x in line.get_xdata()})  # data lines (not a reference axhline)
+                layer_xs[name] = xs
+                assert xs[0] == (0 if "0 = embedding" in ax.get_xlabel() else 1), (name, ax.get_xlabel(), xs)
+    assert log_axes >= 4  # magnitudes, both depth panels, gradient norms
+    assert {name: xs[-1] for name, xs in layer_xs.items()} == {"magnitudes": 4, "stream-ratios": 4, "depth": 4}
