@@ -86,7 +86,8 @@ def test_no_import_cycle_in_the_package():
 #    environment report and OLMo's hook import. They must not load torch or ai2-olmo (measured: 0.03-0.15 s to import
 #    each against 5-15 s for siamesenorm.train or siamesenorm.olmo_core.train), so their heavy imports wait in the
 #    function that needs them.
-LIGHT = {"siamesenorm", "siamesenorm._hook", "siamesenorm.catalog", "siamesenorm.cli", "siamesenorm.console",
+LIGHT = {"siamesenorm", "siamesenorm._hook", "siamesenorm.catalog", "siamesenorm.cli", "siamesenorm.config_keys",
+         "siamesenorm.console",
          "siamesenorm.data", "siamesenorm.gpucheck", "siamesenorm.olmo_core", "siamesenorm.olmo_patch",
          "siamesenorm.records", "siamesenorm.slurm", "siamesenorm.stability", "siamesenorm.sweep"}
 # 2. Third-party modules one feature needs (export, figures, online logging, data preparation, the second framework)
