@@ -10,7 +10,7 @@
 
 Evaluation tokens: --tokens (OLMo token files), --text (.txt/.jsonl[.gz]; its held-out documents), or by default
 the run's own validation split. A tool that does not apply to a model says so and writes {"applies": false}.
-Figures: --format png|pdf|svg; colours, names and markers are the same in every figure (siamesenorm/figures.py).
+Figures: --format png|pdf|svg; colours, names and markers are the same in every figure (siamesenorm/analysis/figures.py).
 """
 
 import argparse
@@ -41,8 +41,8 @@ def main(argv=None) -> int:
     parser.add_argument("--max-k", type=int, default=None, help="depth: remove up to the last k layers")
     parser.add_argument("--smooth", type=int, default=1, help="curves: moving-average window in logged steps")
     args = parser.parse_args(argv)
-    from siamesenorm import analysis  # after --help: it imports torch and OLMo
-    from siamesenorm.checkpoints import UnsafeCheckpoint
+    from siamesenorm.analysis import probes as analysis
+    from siamesenorm.run.checkpoints import UnsafeCheckpoint
 
 
     out = Path(args.output)

@@ -1,5 +1,5 @@
 """What each MODEL_TYPE costs against Pre-Norm: step time, tokens/s, activation memory, parameters, FLOPs per
-token (and on CUDA peak memory and MFU), eager and with compiled blocks. Logic and method: siamesenorm/benchmark.py.
+token (and on CUDA peak memory and MFU), eager and with compiled blocks. Logic and method: siamesenorm/perf/benchmark.py.
 
   python scripts/benchmark.py                                   # pre vs hybrid_pre, the CPU default size
   python scripts/benchmark.py --model-types all --json bench.json
@@ -10,7 +10,7 @@ token (and on CUDA peak memory and MFU), eager and with compiled blocks. Logic a
 import argparse
 import sys
 
-from siamesenorm.catalog import model_type_names
+from siamesenorm.models.names import model_type_names
 
 MODEL_TYPES = model_type_names()  # read from the variant files without importing them: --help stays fast
 
@@ -46,12 +46,12 @@ def main(argv=None) -> int:
                         "size (its device_train_microbatch_size and sequence unless --batch/--seq are given), "
                         "matmul FLOPs, bytes moved and kernels per layer and step, bf16 autocast, eager and (with --modes "
                         "compiled, the default) each block compiled by inductor (minutes a variant on 2 CPU cores), "
-                        "and the estimated step time against pre on A100 / H100 / H200 (siamesenorm/costmodel.py)")
+                        "and the estimated step time against pre on A100 / H100 / H200 (siamesenorm/perf/costmodel.py)")
     parser.add_argument("--memory-model", action="store_true",
                         help="instead of timing: GiB per GPU of one step of the recipe at its microbatch under FSDP "
                         "full shard (--gpus), bf16, by parts, recompute on and off and with whole-layer activation "
                         "checkpointing, and which of A100-40GB / A100-80GB / H100-80GB each fits "
-                        "(siamesenorm/costmodel.py memory_per_gpu: a model on fake tensors, seconds on a CPU)")
+                        "(siamesenorm/perf/costmodel.py memory_per_gpu: a model on fake tensors, seconds on a CPU)")
     parser.add_argument("--recompute", choices=["on", "off"], default=None,
                         help="model.recompute_cheap on or off for the timing, --breakdown and --cost-model "
                         "(default: the recipe's)")
@@ -74,8 +74,8 @@ def main(argv=None) -> int:
     if args.memory_model:
         import json
 
-        from siamesenorm import costmodel
-        from siamesenorm.runconfig import load_config
+        from siamesenorm.perf import costmodel
+        from siamesenorm.run.recipe import load_config
 
         cfg = load_config(args.recipe)
         if args.fused is not None:
@@ -96,8 +96,8 @@ def main(argv=None) -> int:
         import dataclasses
         import json
 
-        from siamesenorm import costmodel
-        from siamesenorm.runconfig import load_config
+        from siamesenorm.perf import costmodel
+        from siamesenorm.run.recipe import load_config
 
         cfg = load_config(args.recipe)
         model_cfg = dataclasses.replace(cfg.model, **{k: v for k, v in (
@@ -123,7 +123,7 @@ def main(argv=None) -> int:
             print(f"wrote {args.json}")
         return 0
     args.batch, args.seq = args.batch or 4, args.seq or 256
-    from siamesenorm.benchmark import BenchSettings, breakdown, breakdown_markdown, recompute_cost, run, save, to_markdown
+    from siamesenorm.perf.benchmark import BenchSettings, breakdown, breakdown_markdown, recompute_cost, run, save, to_markdown
 
     settings = BenchSettings(recipe=args.recipe, model_types=types, layers=args.layers, d_model=args.d_model, vocab=args.vocab,
                              batch=args.batch, seq=args.seq, repeats=args.repeats,

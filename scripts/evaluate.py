@@ -1,4 +1,4 @@
-"""Score a finished model on the paper's downstream tasks and validation perplexity. Logic: siamesenorm/evaluate.py.
+"""Score a finished model on the paper's downstream tasks and validation perplexity. Logic: siamesenorm/export/evaluate.py.
 
   python scripts/evaluate.py --help
 """

@@ -1,4 +1,4 @@
-"""Export a run or checkpoint as a Hugging Face transformers folder. Logic: siamesenorm/hf.py.
+"""Export a run or checkpoint as a Hugging Face transformers folder. Logic: siamesenorm/export/hf.py.
 
   python scripts/export_hf.py --help
 """

@@ -1,4 +1,4 @@
-"""Generate text from a run, checkpoint or exported folder. Logic: siamesenorm/hf.py.
+"""Generate text from a run, checkpoint or exported folder. Logic: siamesenorm/export/hf.py.
 
   python scripts/generate.py --help
 """

@@ -1,5 +1,5 @@
 """The GPU check: each seed MODEL_TYPE trained on one GPU (bf16, FSDP, compiled blocks), stopped and resumed,
-generation, export and the preflight's timed run, as a Markdown report. Logic: siamesenorm/gpucheck.py.
+generation, export and the preflight's timed run, as a Markdown report. Logic: siamesenorm/cluster/gpucheck.py.
 On a GPU machine without a package index, run scripts/gpu_check.sh (it installs from a wheelhouse first).
 
   python scripts/gpu_check.py --report results/gpu/report.md
@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     import shlex
     from pathlib import Path
 
-    from siamesenorm.gpucheck import CheckSettings, run_check, to_markdown
+    from siamesenorm.cluster.gpucheck import CheckSettings, run_check, to_markdown
 
     settings = CheckSettings(recipe=args.recipe, variants=args.variants, exact_variants=args.exact or [],
                              steps=args.steps, global_batch=args.global_batch or None, overrides=overrides,

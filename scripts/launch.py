@@ -16,8 +16,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from siamesenorm.records import RECORD_NAME  # noqa: E402
-from siamesenorm.stability import EXIT_DIVERGED  # noqa: E402
+from siamesenorm.run.records import RECORD_NAME  # noqa: E402
+from siamesenorm.run.stability import EXIT_DIVERGED  # noqa: E402
 
 
 USAGE = "usage: python scripts/launch.py [torchrun options] CONFIG.yaml [--key=value ...]"
@@ -44,19 +44,19 @@ def main(argv) -> int:
         print(f"{USAGE}\nerror: no CONFIG.yaml among the arguments; see --help", file=sys.stderr)
         return 2
     torchrun_args, config, overrides = argv[:split], argv[split], argv[split + 1 :]
-    from siamesenorm.config_keys import unknown_key  # a typo: one line before torchrun starts any worker
+    from siamesenorm.run.recipe_keys import unknown_key  # a typo: one line before torchrun starts any worker
 
     typo = unknown_key(config, overrides)
     if typo:
         print(f"error: {typo}", file=sys.stderr)
         return 2
-    from siamesenorm.train import QUIET_DIVERGENCE  # after --help: it imports torch and OLMo
+    from siamesenorm.ai2_olmo.train import QUIET_DIVERGENCE  # after --help: it imports torch and OLMo
 
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, str(ROOT / "scripts" / "train.py"), config,
            *overrides]
     started = time.time()
     code = subprocess.call(cmd, env={**os.environ, QUIET_DIVERGENCE: "1"})
-    from siamesenorm.runconfig import load_config
+    from siamesenorm.run.recipe import load_config
 
     options = [o for o in overrides if o.startswith("--") and o != "--dry-run"]
     record = Path(load_config(config, options).save_folder) / RECORD_NAME

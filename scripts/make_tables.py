@@ -1,4 +1,4 @@
-"""The paper's Table 1 from run records, as Markdown, CSV and LaTeX. Rules for each cell: siamesenorm/tables.py.
+"""The paper's Table 1 from run records, as Markdown, CSV and LaTeX. Rules for each cell: siamesenorm/analysis/tables.py.
 
   python scripts/make_tables.py runs/                      # every run.json under runs/, Markdown to stdout
   python scripts/make_tables.py runs/ --format all --output tables/   # tables/table1.{md,csv,tex}
@@ -11,7 +11,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from siamesenorm.records import RECORD_NAME, read_record  # noqa: E402
+from siamesenorm.run.records import RECORD_NAME, read_record  # noqa: E402
 
 SUFFIX = {"markdown": "md", "csv": "csv", "latex": "tex"}
 
@@ -35,7 +35,7 @@ def main(argv=None) -> int:
                         help="table format (default markdown); all: every format, needs --output")
     parser.add_argument("--output", help="write table1.<md|csv|tex> into this folder instead of printing")
     args = parser.parse_args(argv)
-    from siamesenorm.tables import LEGEND, build_table, formats, render, subset_note  # after --help: imports OLMo
+    from siamesenorm.analysis.tables import LEGEND, build_table, formats, render, subset_note  # after --help: imports OLMo
 
     try:
         files = find_records(args.paths)

@@ -1,15 +1,15 @@
-"""The OLMo/ source-tree route (logic: siamesenorm/olmo_patch.py).
+"""The OLMo/ source-tree route (logic: siamesenorm/models/olmo_patch.py).
 
   python scripts/olmo_tree.py setup     # OLMo/ from ai2-olmo 0.6.0's PyPI sdist (sha256 checked), git repo tagged
                                         # v0.6.0, changes.patch applied and committed; safe to rerun
-  python scripts/olmo_tree.py patch     # regenerate changes.patch from the hook defined in siamesenorm/olmo_patch.py
+  python scripts/olmo_tree.py patch     # regenerate changes.patch from the hook defined in siamesenorm/models/olmo_patch.py
   cd OLMo && pip install -e . && cd .. && pip install -e . --no-deps   # then train as usual
 """
 
 import argparse
 from pathlib import Path
 
-from siamesenorm import olmo_patch
+from siamesenorm.models import olmo_patch
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""Before launching a recipe: will it fit, how long will it take, is everything in place. Logic: siamesenorm/preflight.py.
+"""Before launching a recipe: will it fit, how long will it take, is everything in place. Logic: siamesenorm/cluster/preflight.py.
 
   MODEL_TYPE=hybrid_pre python scripts/preflight.py configs/OLMo-1B-hybrid-2e-3.yaml --gpu a100-40gb
   MODEL_TYPE=hybrid_pre python scripts/preflight.py configs/OLMo-1B-hybrid-2e-3.yaml --nodes 4 --gpu h100-80gb
@@ -34,9 +34,9 @@ def main(argv=None) -> int:
 
     import torch
 
-    from siamesenorm.config import resolve_model_type
-    from siamesenorm.preflight import detect_gpu, preflight, to_markdown
-    from siamesenorm.runconfig import RunError, load_config
+    from siamesenorm.models.config import resolve_model_type
+    from siamesenorm.cluster.preflight import detect_gpu, preflight, to_markdown
+    from siamesenorm.run.recipe import RunError, load_config
 
     logging.disable(logging.WARNING)  # OLMo's and torch's start-up chatter; the table says what matters
     try:

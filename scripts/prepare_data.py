@@ -1,4 +1,4 @@
-"""Tokenize text into OLMo memmap files. Logic: siamesenorm/data.py.
+"""Tokenize text into OLMo memmap files. Logic: siamesenorm/run/data.py.
 
   python scripts/prepare_data.py --output data/prepared/fineweb-edu --max-documents 1000000   # FineWeb-Edu (online)
   python scripts/prepare_data.py data/austen.jsonl.gz --tokenizer data/tokenizer-austen-2k.json --output runs/data/austen

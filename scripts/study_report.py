@@ -1,9 +1,9 @@
-"""The CPU study's table, figures and per-claim numbers from the sweep's results (siamesenorm/study.py).
+"""The CPU study's table, figures and per-claim numbers from the sweep's results (siamesenorm/studies/lr_grid.py).
 
   python scripts/study_report.py results/study-cpu --output docs/figures/study
   (writes study-*.png, report.json and table.md into --output; docs/results-cpu.md quotes them)
   python scripts/study_report.py results/study-v2 --v2 --earlier results/study-cpu --output docs/figures/study-v2
-  (the second part, issue 26: v2-*.png and report.json; siamesenorm/study_v2.py)
+  (the second part, issue 26: v2-*.png and report.json; siamesenorm/studies/depth_and_dynamics.py)
 """
 
 import argparse
@@ -37,7 +37,7 @@ def main(argv=None) -> int:
 def _report(args) -> int:
     out = Path(args.output)
     if args.v2:
-        from siamesenorm import study_v2
+        from siamesenorm.studies import depth_and_dynamics as study_v2
 
         summary = study_v2.report(args.results, args.earlier)
         out.mkdir(parents=True, exist_ok=True)
@@ -46,7 +46,7 @@ def _report(args) -> int:
             print(f"wrote {path}")
         print(f"wrote {out / 'report.json'} ({summary['cells']} cells)")
         return 0
-    from siamesenorm.study import figures, report
+    from siamesenorm.studies.lr_grid import figures, report
 
     summary = report(args.results)
     out.mkdir(parents=True, exist_ok=True)

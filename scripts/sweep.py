@@ -1,5 +1,5 @@
 """Run a sweep plan (methods x learning rates x seeds over one recipe), a few processes at a time; rerunning it
-continues where it stopped. Logic and plan format: siamesenorm/sweep.py.
+continues where it stopped. Logic and plan format: siamesenorm/studies/sweep.py.
 
   python scripts/sweep.py configs/sweeps/study-cpu.yaml            # every cell not done yet, 2 at a time
   python scripts/sweep.py configs/sweeps/study-cpu.yaml --list     # the cells and their status
@@ -12,7 +12,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from siamesenorm.sweep import PlanError, load_plan, run_plan, status, stop_children, stopping  # noqa: E402
+from siamesenorm.studies.sweep import PlanError, load_plan, run_plan, status, stop_children, stopping  # noqa: E402
 
 
 def main(argv=None) -> int:

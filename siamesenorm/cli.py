@@ -8,11 +8,11 @@ from pathlib import Path
 import os
 import sys
 
-from .console import setup_logging as _logging
+from siamesenorm.run.console import setup_logging as _logging
 
 
 def _model_types_help() -> str:
-    from .catalog import model_types_help
+    from siamesenorm.models.names import model_types_help
 
     return model_types_help()
 
@@ -31,7 +31,7 @@ _MODEL_TYPE_RULE = ("MODEL_TYPE picks the block: the environment variable MODEL_
 
 def _refuse_unknown_keys(config: str, overrides) -> None:
     """A typo in the recipe or an override: one line and exit 2 before OLMo and torch are imported."""
-    from .config_keys import unknown_key
+    from siamesenorm.run.recipe_keys import unknown_key
 
     message = unknown_key(config, overrides)
     if message:
@@ -71,8 +71,8 @@ Examples:
     args, overrides = parser.parse_known_args(argv)
     _refuse_unknown_keys(args.config, overrides)
     _logging()
-    from .checkpoints import UnsafeCheckpoint
-    from .train import Terminated, main
+    from siamesenorm.run.checkpoints import UnsafeCheckpoint
+    from siamesenorm.ai2_olmo.train import Terminated, main
 
     try:
         code = main(args.config, overrides, dry=args.dry_run)
@@ -83,7 +83,7 @@ Examples:
     except Terminated as e:  # preemption: the record says stopped; the same command resumes
         print(f"stopped: {e}; rerun the same command to resume from the latest checkpoint", file=sys.stderr)
         sys.exit(128 + e.signum)
-    except KeyboardInterrupt:  # Ctrl-C: the record says stopped (siamesenorm/train.py); one line, not a traceback
+    except KeyboardInterrupt:  # Ctrl-C: the record says stopped (siamesenorm/ai2_olmo/train.py); one line, not a traceback
         print("stopped: interrupted (Ctrl-C); rerun the same command to resume from the latest checkpoint",
               file=sys.stderr)
         sys.exit(130)
@@ -112,12 +112,12 @@ Examples:
     parser.add_argument("config", help="YAML recipe (configs/*.yaml), the same files scripts/train.py reads")
     args, overrides = parser.parse_known_args(argv)
     _refuse_unknown_keys(args.config, overrides)
-    from .checkpoints import UnsafeCheckpoint
+    from siamesenorm.run.checkpoints import UnsafeCheckpoint
 
     try:
         from olmo_core.exceptions import OLMoConfigurationError as CoreConfigError
 
-        from .olmo_core.train import main
+        from siamesenorm.olmo_core.train import main
 
         main(args.config, overrides)
     except ImportError as e:
@@ -128,7 +128,7 @@ Examples:
             print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except BaseException as e:  # torch.distributed.checkpoint wraps a refused item in a CheckpointException
-        from .safeload import refusal_inside
+        from siamesenorm.run.safeload import refusal_inside
 
         refused = refusal_inside(e)
         if refused is None:
@@ -176,7 +176,7 @@ def prepare_data_main(argv=None) -> None:
                         "inputs and write it to --output")
     args = parser.parse_args(argv)
     _logging()
-    from .data import DataPreparationError, PrepareSettings, iter_documents, prepare, train_tokenizer, Skips
+    from siamesenorm.run.data import DataPreparationError, PrepareSettings, iter_documents, prepare, train_tokenizer, Skips
 
     inputs = args.inputs or ["hf:HuggingFaceFW/fineweb-edu:sample-10BT"]
     settings = PrepareSettings(
@@ -220,7 +220,7 @@ Then, in Python (transformers alone):
   from transformers import AutoModelForCausalLM, AutoTokenizer
   model = AutoModelForCausalLM.from_pretrained("exports/quickstart-pre")  # pre: a Llama
   model = AutoModelForCausalLM.from_pretrained("exports/quickstart-hybrid_pre", trust_remote_code=True)
-  (with siamesenorm installed, `import siamesenorm.hf` first loads any export without remote code)""",
+  (with siamesenorm installed, `import siamesenorm.export.hf` first loads any export without remote code)""",
     )
     parser.add_argument("source", help="a run folder (its latest checkpoint) or a checkpoint folder "
                         "(stepN-unsharded/ or a sharded stepN/)")
@@ -239,8 +239,8 @@ Then, in Python (transformers alone):
 
     from transformers.utils import logging as hf_logging
 
-    from .checkpoints import UnsafeCheckpoint
-    from .hf import export, is_export
+    from siamesenorm.run.checkpoints import UnsafeCheckpoint
+    from siamesenorm.export.hf import export, is_export
 
     hf_logging.disable_progress_bar()  # one-file models: per-shard progress bars only add console lines
 
@@ -257,7 +257,7 @@ Then, in Python (transformers alone):
               f"AutoModelForCausalLM.from_pretrained({args.output!r}, trust_remote_code=True)")
     elif is_export(args.output):
         print(f"exported {folder} to {args.output} without modelling code (README.md says why); load it with: "
-              f"import siamesenorm.hf; AutoModelForCausalLM.from_pretrained({args.output!r})")
+              f"import siamesenorm.export.hf; AutoModelForCausalLM.from_pretrained({args.output!r})")
     else:
         print(f"exported {folder} to {args.output} as a Llama (LlamaForCausalLM; transformers alone loads it): "
               f"AutoModelForCausalLM.from_pretrained({args.output!r})")
@@ -291,8 +291,8 @@ def generate_main(argv=None) -> None:
 
     from transformers.utils import logging as hf_logging
 
-    from .checkpoints import UnsafeCheckpoint
-    from .hf import load_for_generation
+    from siamesenorm.run.checkpoints import UnsafeCheckpoint
+    from siamesenorm.export.hf import load_for_generation
 
     hf_logging.disable_progress_bar()
 
@@ -350,8 +350,8 @@ def evaluate_main(argv=None) -> None:
         sys.exit(2)
     from transformers.utils import logging as hf_logging
 
-    from .checkpoints import UnsafeCheckpoint
-    from .evaluate import PAPER_TASKS, EvalSettings, evaluate, to_csv, to_markdown
+    from siamesenorm.run.checkpoints import UnsafeCheckpoint
+    from siamesenorm.export.evaluate import PAPER_TASKS, EvalSettings, evaluate, to_csv, to_markdown
 
     hf_logging.disable_progress_bar()
 

@@ -7,7 +7,7 @@ import torch
 sys.path.insert(0, os.path.dirname(__file__))
 
 import siamesenorm  # noqa: E402  (installs the hook)
-from siamesenorm import SiameseModelConfig  # noqa: E402
+from siamesenorm import SiameseModelConfig# noqa: E402
 
 
 #: The first lines of a subprocess script that must run with transformers alone: importing siamesenorm or ai2-olmo
@@ -52,7 +52,7 @@ def austen_prepared():
     """data/prepared/austen-2k, the tiny recipe's data, prepared once if missing (what the quickstart does)."""
     from pathlib import Path
 
-    from siamesenorm.data import PrepareSettings, prepare
+    from siamesenorm.run.data import PrepareSettings, prepare
 
     root = Path(__file__).resolve().parents[1]
     out = root / "data" / "prepared" / "austen-2k"

@@ -12,7 +12,8 @@ from conftest import tiny_config
 from test_training import ROOT, SMALL, TINY, learnable_tokens
 from test_variants import ids, randomize
 
-from siamesenorm import analysis, build_model
+from siamesenorm import build_model
+from siamesenorm.analysis import probes as analysis
 
 SEQ = 32  # SMALL's max_sequence_length
 
@@ -169,7 +170,7 @@ def test_cli_missing_checkpoint_says_what_to_do(tmp_path):
 def test_figure_conventions_smoothing_keeps_early_steps_captions_beside_not_inside_markers_and_styles(tmp_path):
     import numpy as np
 
-    from siamesenorm.figures import caption_path, linestyle, moving_average, plot
+    from siamesenorm.analysis.figures import caption_path, linestyle, moving_average, plot
 
     xs, ys = moving_average([1, 2, 3, 4, 5], [4.0, 2.0, None, 6.0, 8.0], 3)
     assert xs == [1, 2, 3, 4, 5]  # no step dropped
@@ -194,7 +195,7 @@ def test_figure_conventions_smoothing_keeps_early_steps_captions_beside_not_insi
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from siamesenorm.figures import _curves
+    from siamesenorm.analysis.figures import _curves
 
     fig, ax = plt.subplots()
     _curves(ax, {"short": run(20), "long": run(200)}, "loss", 1)
@@ -210,7 +211,7 @@ def test_every_analysis_figure_says_log_scale_and_numbers_layers_one_way(tmp_pat
     import matplotlib
 
     matplotlib.use("Agg")
-    from siamesenorm import figures
+    from siamesenorm.analysis.probes import figures
 
     figs = {}
     monkeypatch.setattr(figures, "save", lambda fig, path, caption="", **kw: figs.setdefault(Path(path).stem, fig))

@@ -1,4 +1,4 @@
-"""The benchmark (siamesenorm/benchmark.py): its activation counter on a module whose saved tensors are known, and
+"""The benchmark (siamesenorm/perf/benchmark.py): its activation counter on a module whose saved tensors are known, and
 a CI-sized run of pre against hybrid_pre, eager and compiled."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 
 from conftest import tiny_config
 from siamesenorm import MODEL_TYPES, build_model
-from siamesenorm.benchmark import BenchSettings, activation_bytes, run, to_markdown
+from siamesenorm.perf.benchmark import BenchSettings, activation_bytes, run, to_markdown
 
 
 def test_activation_bytes_counts_saved_tensors_once_and_leaves_out_parameters():
@@ -86,7 +86,7 @@ def test_recompute_is_a_config_field_that_cuts_activation_memory(model_type):
 def test_breakdown_charges_every_saved_byte_to_a_place():
     """The breakdown adds up to activation_bytes, pre's blocks save nothing outside OLMo's modules, and hc's depth
     connection shows up where its bytes are saved."""
-    from siamesenorm.benchmark import _loss, activation_breakdown
+    from siamesenorm.perf.benchmark import _loss, activation_breakdown
 
     cfg = tiny_config()
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -103,7 +103,7 @@ def test_breakdown_charges_every_saved_byte_to_a_place():
 
 
 def test_recompute_cost_times_both_settings_against_pre():
-    from siamesenorm.benchmark import recompute_cost
+    from siamesenorm.perf.benchmark import recompute_cost
 
     settings = BenchSettings(model_types=["hybrid_pre"], layers=1, d_model=32, batch=1, seq=16, repeats=2,
                              device="cpu")
@@ -117,7 +117,7 @@ def test_pre_built_by_olmos_own_factory_follows_the_field():
     norms recompute exactly when model.recompute_cheap says so, and its state dict is OLMo's."""
     from olmo.model import OLMo
 
-    from siamesenorm.config import as_siamese_config
+    from siamesenorm.models.config import as_siamese_config
 
     for on in (True, False):
         model = OLMo(as_siamese_config(tiny_config(recompute_cheap=on), model_type="pre"))

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from siamesenorm.config import MODEL_TYPES
+from siamesenorm.models.config import MODEL_TYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(str(p.relative_to(ROOT / "scripts")) for p in [*(ROOT / "scripts").glob("*.py"),
@@ -67,7 +67,7 @@ def test_launch_help_exits_zero_and_no_config_fails_with_one_line():
 
 
 def test_step_and_eval_lines():
-    from siamesenorm.console import eval_line, step_line
+    from siamesenorm.run.console import eval_line, step_line
 
     line = step_line(10, 300, {"train/CrossEntropyLoss": 5.12345, "optim/total_grad_norm": 0.5321,
                                "optim/learning_rate_group0": 1e-3, "throughput/device/tokens_per_second": 5379.2,
@@ -84,7 +84,7 @@ def test_step_and_eval_lines():
 
 
 def test_olmo_narration_is_dropped_but_its_warnings_pass():
-    from siamesenorm.console import QuietOlmo
+    from siamesenorm.run.console import QuietOlmo
 
     f = QuietOlmo()
 
@@ -95,7 +95,7 @@ def test_olmo_narration_is_dropped_but_its_warnings_pass():
     assert not f.filter(record("olmo.checkpoint", logging.INFO, "Saving model state..."))
     assert f.filter(record("olmo.train", logging.WARNING, "Saving model state failed"))
     assert f.filter(record("olmo.train", logging.INFO, "Unsharded checkpoint saved to x"))
-    assert f.filter(record("siamesenorm.train", logging.INFO, "[eval_step=1]"))
+    assert f.filter(record("siamesenorm.ai2_olmo.train", logging.INFO, "[eval_step=1]"))
 
 
 def test_training_console_is_short_and_saved_in_the_run_folder(tmp_path, austen_prepared):
@@ -179,8 +179,8 @@ def test_setup_and_test_scripts_answer_help_without_installing_or_testing():
 
 
 def test_the_model_type_list_for_help_is_the_registry():
-    from siamesenorm.catalog import declared_variants
-    from siamesenorm.tables import METHOD_NAMES
+    from siamesenorm.models.names import declared_variants
+    from siamesenorm.analysis.tables import METHOD_NAMES
 
     assert [name for name, _ in declared_variants()] == list(MODEL_TYPES)
     assert dict(declared_variants()) == METHOD_NAMES
@@ -216,7 +216,7 @@ print(hc, pre)
 def test_a_mistyped_model_type_gets_did_you_mean():
     from olmo.exceptions import OLMoConfigurationError
 
-    from siamesenorm.config import SiameseModelConfig, validate_model_config
+    from siamesenorm.models.config import SiameseModelConfig, validate_model_config
 
     for typo, meant in (("hybrid-pre", "hybrid_pre"), ("Post_Pre", "post_pre"), ("hybrdi", "hybrid")):
         with pytest.raises(OLMoConfigurationError, match=f"did you mean '{meant}'"):
@@ -227,7 +227,7 @@ def test_a_mistyped_model_type_gets_did_you_mean():
 
 
 def test_a_mistyped_recipe_path_gets_did_you_mean():
-    from siamesenorm.runconfig import RunError, load_config
+    from siamesenorm.run.recipe import RunError, load_config
 
     with pytest.raises(RunError, match=r"did you mean configs/OLMo-1B-hybrid-2e-3.yaml\?"):
         load_config(str(Path("configs") / "OLMo-1B-hybrid-2e3.yaml"))
@@ -235,13 +235,13 @@ def test_a_mistyped_recipe_path_gets_did_you_mean():
         load_config("configs/zzzzzzzzzzzzzzzzzzzzzzzzz.yaml")
 
 
-def test_the_stored_config_keys_are_the_config_s_fields():
-    """siamesenorm/config_keys.json (read before the heavy imports) is regenerated from the dataclasses; a field added
-    to the config or a knob added to a variant without `python -m siamesenorm.config_keys --write` fails here."""
-    from siamesenorm.config_keys import KEY_FILE, key_tree
+def test_the_stored_recipe_keys_are_the_config_s_fields():
+    """siamesenorm/run/recipe_keys.json (read before the heavy imports) is regenerated from the dataclasses; a field added
+    to the config or a knob added to a variant without `python -m siamesenorm.run.recipe_keys --write` fails here."""
+    from siamesenorm.run.recipe_keys import KEY_FILE, key_tree
 
     assert json.loads(KEY_FILE.read_text()) == json.loads(json.dumps(key_tree())), \
-        "run: python -m siamesenorm.config_keys --write"
+        "run: python -m siamesenorm.run.recipe_keys --write"
 
 
 _TYPO_IMPORTS = """
@@ -278,7 +278,7 @@ def test_a_typo_is_one_line_before_torch_or_olmo_is_imported(main, args, says, t
 
 def test_known_keys_and_list_items_pass_the_light_check():
     """One-sided: a known key, a bare flag, a list item or a free-form value is never named (the full load judges)."""
-    from siamesenorm.config_keys import unknown_key
+    from siamesenorm.run.recipe_keys import unknown_key
 
     recipes = sorted((ROOT / "configs").glob("*.yaml"))
     assert recipes and all(unknown_key(str(r), []) is None for r in recipes)

@@ -10,7 +10,7 @@ import torch
 
 from conftest import tiny_config
 from siamesenorm import MODEL_TYPES, build_model
-from siamesenorm.trainer import compile_blocks
+from siamesenorm.ai2_olmo.trainer import compile_blocks
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,7 +50,7 @@ def test_every_block_compiles_fullgraph_and_matches_eager(model_type):
 
 
 def test_a_run_with_compile_trains_through_the_trainer_like_eager(tmp_path, monkeypatch, austen_prepared):
-    from siamesenorm.train import main
+    from siamesenorm.ai2_olmo.train import main
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("MODEL_TYPE", "hybrid_pre")
@@ -76,7 +76,7 @@ GPU_RECIPES = sorted(p.relative_to(ROOT).as_posix() for p in [*ROOT.glob("config
 def test_every_gpu_recipe_compiles_its_blocks():
     """The GPU recipes run compiled (issue 21): every block, whole graphs, static shapes; the CPU configs stay
     eager (a compile costs minutes on 2 cores and buys nothing there)."""
-    from siamesenorm.runconfig import load_config
+    from siamesenorm.run.recipe import load_config
 
     assert len(GPU_RECIPES) >= 15
     for path in GPU_RECIPES:
@@ -99,7 +99,7 @@ def test_compiled_blocks_match_eager_at_the_recipes_precision(model_type):
     once per fused kernel, so the two differ from each other by about bf16's own error."""
     import dataclasses
 
-    from siamesenorm.runconfig import load_config
+    from siamesenorm.run.recipe import load_config
 
     recipe = load_config(ROOT / "configs/OLMo-1B-2e-3.yaml").model
     cfg = dataclasses.replace(recipe, d_model=64, n_heads=4, n_layers=3, vocab_size=128, embedding_size=128,

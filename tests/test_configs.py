@@ -8,7 +8,7 @@ import torch
 from olmo.model import OLMo
 
 from siamesenorm import MODEL_TYPES, build_model, num_params_from_config
-from siamesenorm.train import load_config
+from siamesenorm.ai2_olmo.train import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -6,7 +6,7 @@ import pytest
 import torch
 from conftest import tiny_config
 
-from siamesenorm import costmodel
+from siamesenorm.perf import costmodel
 
 
 def hand_matmul_flops(cfg, batch: int, seq: int) -> int:
@@ -57,7 +57,7 @@ def test_fake_tensors_hold_no_memory_at_the_13b_width():
     activations otherwise)."""
     import resource
 
-    from siamesenorm.runconfig import load_config
+    from siamesenorm.run.recipe import load_config
 
     cfg = load_config("configs/OLMo-1B-2e-3.yaml").model
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -96,8 +96,8 @@ def test_fake_activation_count_equals_the_real_tensors_saved():
     model, bf16 parameters, bf16 autocast, OLMo's loss."""
     from olmo.train import cross_entropy_loss
 
-    from siamesenorm.benchmark import activation_bytes
-    from siamesenorm.model import build_model
+    from siamesenorm.perf.benchmark import activation_bytes
+    from siamesenorm.models.build import build_model
 
     cfg = tiny_config(n_layers=2, d_model=32, weight_tying=False)
     for model_type in ("pre", "hybrid_pre"):
@@ -121,7 +121,7 @@ def test_memory_model_parts_at_the_13b_recipe():
     """The 1.3B recipe at its microbatch on 8 GPUs: the sharded state is 16 bytes a parameter over 8; recompute
     keeps less than saving; whole-layer checkpointing less still; the chunked loss cuts the loss's share by more
     than the fp32 logits (16384 tokens x 50304 x 4 bytes = 3.1 GiB)."""
-    from siamesenorm.runconfig import load_config
+    from siamesenorm.run.recipe import load_config
 
     cfg = load_config("configs/OLMo-1B-2e-3.yaml").model
     on = costmodel.memory_per_gpu(cfg, "hybrid_pre", 8, 2048, recompute=True)

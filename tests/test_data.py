@@ -13,7 +13,7 @@ import pytest
 from olmo.tokenizer import Tokenizer
 
 from siamesenorm import data as D
-from siamesenorm.data import DataPreparationError, PrepareSettings, is_validation, prepare
+from siamesenorm.run.data import DataPreparationError, PrepareSettings, is_validation, prepare
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER = str(ROOT / "data" / "tokenizer-austen-2k.json")
@@ -175,7 +175,7 @@ def test_changed_input_content_is_retokenized_not_reused(tmp_path):
 def test_progress_total_counts_the_documents_cheaply(tmp_path):
     import gzip
 
-    from siamesenorm.data import PrepareSettings, Skips, count_documents, iter_documents
+    from siamesenorm.run.data import PrepareSettings, Skips, count_documents, iter_documents
 
     shipped = PrepareSettings([str(ROOT / "data" / "austen.jsonl.gz")])
     assert count_documents(shipped) == sum(1 for _ in iter_documents(shipped, Skips()))

@@ -1,4 +1,4 @@
-"""scripts/evaluate.py (siamesenorm/evaluate.py): a finished model scored with OLMo's own evaluators through OLMo's
+"""scripts/evaluate.py (siamesenorm/export/evaluate.py): a finished model scored with OLMo's own evaluators through OLMo's
 Trainer.eval gets the numbers its run logged in-loop; an export scores as the run it came from; the record it
 writes is one make_tables reads."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from siamesenorm.records import split_eval_metrics
+from siamesenorm.run.records import split_eval_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 TASKS = ["piqa", "arc_easy"]  # a len_norm task and an acc task
@@ -31,7 +31,7 @@ def run_with_downstream(tmp_path_factory, austen_prepared):
     """A tiny hybrid_pre run that evaluates piqa and arc_easy in-loop (2 batches of 8) at its last step."""
     import os
 
-    from siamesenorm.train import main
+    from siamesenorm.ai2_olmo.train import main
 
     tmp = tmp_path_factory.mktemp("eval")
     recipe = yaml.safe_load((ROOT / "configs" / "tiny-cpu.yaml").read_text())
@@ -56,7 +56,7 @@ def run_with_downstream(tmp_path_factory, austen_prepared):
 
 
 def test_a_checkpoint_scores_what_its_run_logged_in_loop(run_with_downstream):
-    from siamesenorm.evaluate import EvalSettings, evaluate
+    from siamesenorm.export.evaluate import EvalSettings, evaluate
 
     logged = json.loads((run_with_downstream / "run.json").read_text())["downstream"]
     assert set(logged) == set(TASKS)  # piqa's len_norm included
@@ -67,7 +67,7 @@ def test_a_checkpoint_scores_what_its_run_logged_in_loop(run_with_downstream):
 
 
 def test_an_export_scores_as_its_run_and_make_tables_reads_the_result(run_with_downstream, tmp_path):
-    from siamesenorm.hf import export
+    from siamesenorm.export.hf import export
 
     export(run_with_downstream, tmp_path / "export")
     outputs = []

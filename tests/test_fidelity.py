@@ -12,7 +12,7 @@ from omegaconf import OmegaConf as om
 from test_variants import ids, randomize
 
 from siamesenorm import build_model
-from siamesenorm.config import LEGACY_KNOBS, SiameseModelConfig
+from siamesenorm.models.config import LEGACY_KNOBS, SiameseModelConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,7 +74,7 @@ def test_hc_output_weights_start_scaled_for_n_streams(n):
 
 
 def optimizer_groups(model_cfg_overrides, model_type):
-    from siamesenorm.train import build_optimizer_with_coefficients, load_config
+    from siamesenorm.ai2_olmo.train import build_optimizer_with_coefficients, load_config
 
     cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"))
     model = build_model(tiny_config(**model_cfg_overrides), model_type)
@@ -105,7 +105,7 @@ def test_gamma_and_mhc_coefficients_not_decayed():
 
 def saved_config(tmp_path, model_type, drop=(), **changes):
     """A run folder's config.yaml as our training writes it, with ``drop`` fields removed (an older checkpoint)."""
-    from siamesenorm.train import load_config
+    from siamesenorm.ai2_olmo.train import load_config
 
     cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"))
     cfg.model.model_type = model_type
@@ -122,10 +122,10 @@ def saved_config(tmp_path, model_type, drop=(), **changes):
 
 
 def test_checkpoint_without_new_knobs_loads_with_old_meaning(tmp_path, caplog):
-    from siamesenorm.checkpoints import load_saved_config
+    from siamesenorm.run.checkpoints import load_saved_config
 
     folder = saved_config(tmp_path, "post_pre", drop=list(LEGACY_KNOBS))
-    with caplog.at_level(logging.INFO, logger="siamesenorm.checkpoints"):
+    with caplog.at_level(logging.INFO, logger="siamesenorm.run.checkpoints"):
         cfg = load_saved_config(folder / "config.yaml")
     for name, old in LEGACY_KNOBS.items():
         assert getattr(cfg.model, name) == old, name
@@ -137,7 +137,7 @@ def test_checkpoint_without_new_knobs_loads_with_old_meaning(tmp_path, caplog):
 
 def test_old_post_pre_checkpoint_rebuilds_as_the_model_it_was(tmp_path):
     """Weights saved from an after_addition model (the old default) give the same logits after loading."""
-    from siamesenorm.checkpoints import load_saved_config
+    from siamesenorm.run.checkpoints import load_saved_config
 
     old = randomize(build_model(tiny_config(post_pre_x_norm_position="after_addition",
                                             siamese_depth_scaling_form="inv_sqrt_layer"), "post_pre"))
@@ -151,7 +151,7 @@ def test_old_post_pre_checkpoint_rebuilds_as_the_model_it_was(tmp_path):
 
 
 def test_resume_with_a_different_knob_is_refused_naming_each_field(tmp_path):
-    from siamesenorm.train import RunError, check_resume_model, load_config
+    from siamesenorm.ai2_olmo.train import RunError, check_resume_model, load_config
 
     folder = saved_config(tmp_path, "mixln", mixln_post_fraction=0.5)
     cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), ["--model.d_model=64"])

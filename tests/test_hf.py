@@ -1,4 +1,4 @@
-"""Hugging Face export and generation (siamesenorm/hf.py): for every MODEL_TYPE a run trained through OLMo's Trainer
+"""Hugging Face export and generation (siamesenorm/export/hf.py): for every MODEL_TYPE a run trained through OLMo's Trainer
 exports to a folder that transformers' Auto classes load, with OLMo's logits and OLMo's greedy tokens."""
 
 import json
@@ -11,7 +11,7 @@ import pytest
 import torch
 from conftest import HIDE_SIAMESENORM_AND_OLMO
 
-from siamesenorm.config import MODEL_TYPES
+from siamesenorm.models.config import MODEL_TYPES
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
@@ -22,7 +22,7 @@ SMALL = ["--model.d_model=32", "--model.n_heads=2", "--model.n_layers=2", "--mod
 
 
 def trained_run(tmp_path: Path, model_type: str, monkeypatch) -> Path:
-    from siamesenorm.train import main
+    from siamesenorm.ai2_olmo.train import main
 
     monkeypatch.chdir(ROOT)  # the recipe's data and tokenizer paths are relative to the repository
     monkeypatch.setenv("MODEL_TYPE", model_type)
@@ -44,8 +44,8 @@ def greedy_olmo(model, ids: torch.Tensor, n: int) -> torch.Tensor:
 def test_export_loads_with_auto_classes_and_matches_olmo(tmp_path, monkeypatch, austen_prepared, model_type):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from siamesenorm.checkpoints import load_model
-    from siamesenorm.hf import export
+    from siamesenorm.run.checkpoints import load_model
+    from siamesenorm.export.hf import export
 
     run = trained_run(tmp_path, model_type, monkeypatch)
     out = tmp_path / "export"
@@ -61,7 +61,7 @@ def test_export_loads_with_auto_classes_and_matches_olmo(tmp_path, monkeypatch, 
     assert {k for k in hf_model.state_dict()} == {f"model.{k}" for k in olmo_model.state_dict()}
 
     ids = tokenizer("It is a truth universally acknowledged, that", return_tensors="pt").input_ids
-    from siamesenorm.data import load_tokenizer
+    from siamesenorm.run.data import load_tokenizer
     assert ids[0].tolist() == load_tokenizer(str(cfg.tokenizer.identifier)).encode(
         "It is a truth universally acknowledged, that").ids  # the run's own tokenizer, not a re-made one
     with torch.no_grad():
@@ -76,7 +76,7 @@ def test_export_loads_with_auto_classes_and_matches_olmo(tmp_path, monkeypatch, 
 
 
 def test_export_refuses_to_overwrite_what_is_not_an_export(tmp_path, monkeypatch, austen_prepared):
-    from siamesenorm.hf import export
+    from siamesenorm.export.hf import export
 
     run = trained_run(tmp_path, "pre", monkeypatch)
     out = tmp_path / "busy"
@@ -94,7 +94,7 @@ def test_export_refuses_to_overwrite_what_is_not_an_export(tmp_path, monkeypatch
 
 
 def test_generate_script_from_run_and_from_export_agree(tmp_path, monkeypatch, austen_prepared):
-    from siamesenorm.hf import export
+    from siamesenorm.export.hf import export
 
     run = trained_run(tmp_path, "hybrid_pre", monkeypatch)
     export(run, tmp_path / "export")
@@ -143,8 +143,8 @@ def load_alone(folder: Path, ids: list, tmp_path: Path, trust: bool = False) -> 
 
 
 def test_a_trained_hybrid_pre_export_loads_with_transformers_alone(tmp_path, monkeypatch, austen_prepared):
-    from siamesenorm.checkpoints import load_model
-    from siamesenorm.hf import export
+    from siamesenorm.run.checkpoints import load_model
+    from siamesenorm.export.hf import export
 
     run = trained_run(tmp_path, "hybrid_pre", monkeypatch)
     out = tmp_path / "hybrid_pre-export"
@@ -163,13 +163,13 @@ def test_a_trained_hybrid_pre_export_loads_with_transformers_alone(tmp_path, mon
 @pytest.mark.parametrize("tied", [False, True])
 def test_pre_exports_as_a_llama_that_transformers_alone_loads_with_olmos_logits(tmp_path, monkeypatch,
                                                                                austen_prepared, tied):
-    from siamesenorm.checkpoints import load_model
-    from siamesenorm.hf import export
+    from siamesenorm.run.checkpoints import load_model
+    from siamesenorm.export.hf import export
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("MODEL_TYPE", "pre")
     run = tmp_path / "run-pre"
-    from siamesenorm.train import main
+    from siamesenorm.ai2_olmo.train import main
 
     assert main(str(TINY), SMALL + [f"--save_folder={run}", f"--model.weight_tying={str(tied).lower()}"]) == 0
     out = tmp_path / "llama"
@@ -191,7 +191,7 @@ def test_pre_exports_as_a_llama_that_transformers_alone_loads_with_olmos_logits(
 
 
 def test_llama_format_is_refused_in_one_line_where_it_would_not_be_exact(tmp_path, monkeypatch, austen_prepared):
-    from siamesenorm.hf import export, llama_refusal
+    from siamesenorm.export.hf import export, llama_refusal
 
     run = trained_run(tmp_path, "hybrid_pre", monkeypatch)
     with pytest.raises(ValueError, match="MODEL_TYPE hybrid_pre is not a Llama .* --format siamesenorm"):

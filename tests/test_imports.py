@@ -77,19 +77,19 @@ def test_the_checker_finds_a_cycle_hidden_in_a_function(tmp_path):
 def test_no_import_cycle_in_the_package():
     modules = _modules()
     graph = {name: _edges(name, path, modules) for name, path in modules.items()}
-    assert len(graph) > 40 and graph["siamesenorm.train"]  # the scan sees the package and its imports
+    assert len(graph) > 40 and graph["siamesenorm.ai2_olmo.train"]  # the scan sees the package and its imports
     assert _cycles(graph) == []
 
 
 # Where an import may sit inside a function instead of at the module's top (docs/architecture.md, "Imports").
 # 1. The light modules: what `--help`, the console, the sweep's parent process, the Slurm writer, the GPU check's
 #    environment report and OLMo's hook import. They must not load torch or ai2-olmo (measured: 0.03-0.15 s to import
-#    each against 5-15 s for siamesenorm.train or siamesenorm.olmo_core.train), so their heavy imports wait in the
+#    each against 5-15 s for siamesenorm.ai2_olmo.train or siamesenorm.olmo_core.train), so their heavy imports wait in the
 #    function that needs them.
-LIGHT = {"siamesenorm", "siamesenorm._hook", "siamesenorm.catalog", "siamesenorm.cli", "siamesenorm.config_keys",
-         "siamesenorm.console",
-         "siamesenorm.data", "siamesenorm.gpucheck", "siamesenorm.olmo_core", "siamesenorm.olmo_patch",
-         "siamesenorm.records", "siamesenorm.slurm", "siamesenorm.stability", "siamesenorm.sweep"}
+LIGHT = {"siamesenorm", "siamesenorm.models.olmo_hook", "siamesenorm.models.names", "siamesenorm.cli", "siamesenorm.run.recipe_keys",
+         "siamesenorm.run.console",
+         "siamesenorm.run.data", "siamesenorm.cluster.gpucheck", "siamesenorm.olmo_core", "siamesenorm.models.olmo_patch",
+         "siamesenorm.run.records", "siamesenorm.cluster.slurm", "siamesenorm.run.stability", "siamesenorm.studies.sweep"}
 # 2. Third-party modules one feature needs (export, figures, online logging, data preparation, the second framework)
 #    and torch's private or version-dependent internals (imported where used, so a torch without them fails that
 #    feature with its own message, not every import of the package).
@@ -97,8 +97,8 @@ DEFERRED = ("transformers", "matplotlib", "wandb", "datasets", "pyarrow", "token
             "olmo_data", "torch._inductor", "torch._dynamo", "torch._functorch", "torch._subclasses",
             "torch.distributed._shard", "torch.distributed.remote_device", "torch.utils.benchmark",
             "torch.utils.flop_counter", "ctypes")
-# 3. An export's modelling code (siamesenorm/remote/) imports files written next to it at export time.
-GENERATED = {"siamesenorm.remote.modeling_siamesenorm": {".olmo_lite", ".variant_table"}}
+# 3. An export's modelling code (siamesenorm/export/remote/) imports files written next to it at export time.
+GENERATED = {"siamesenorm.export.remote.modeling_siamesenorm": {".olmo_lite", ".variant_table"}}
 
 
 def _function_imports(path):
@@ -145,3 +145,71 @@ def test_the_light_modules_load_neither_torch_nor_olmo():
     out = subprocess.run([sys.executable, "-c", code, *sorted(LIGHT)], capture_output=True, text=True,
                          cwd=PACKAGE.parent, check=True).stdout.strip()
     assert out == "[]"
+
+
+# ---- the folder order (docs/architecture.md, "Layout") ------------------------------------------------------------
+#: Which folder of the package may import which (besides itself). Floors, from the bottom: nn (torch only) <
+#: variants < models < run < the two framework adapters side by side (ai2_olmo, olmo_core) and the tools over a
+#: trained model side by side (export, analysis, perf) < cluster, studies < cli. A tool never imports an adapter, and
+#: the two adapters never import each other: what both need belongs in run/.
+_BASE = {"nn", "variants", "models", "run"}
+FOLDER_ORDER = {
+    "nn": set(),
+    "variants": {"nn"},
+    "models": {"nn", "variants"},
+    "run": {"nn", "variants", "models"},
+    "ai2_olmo": _BASE,
+    "olmo_core": _BASE,
+    "export": _BASE,
+    "analysis": _BASE,
+    "perf": _BASE,
+    "cluster": _BASE | {"perf", "ai2_olmo"},
+    "studies": _BASE | {"analysis"},
+    "cli": _BASE | {"ai2_olmo", "olmo_core", "export", "analysis", "perf", "cluster", "studies"},
+    "siamesenorm": {"models", "run"},  # the package's __init__: the OLMo hook and the console's warning filter
+}
+
+
+def _folder(name, modules):
+    parts = name.split(".")
+    if len(parts) == 1:
+        return "siamesenorm"
+    return parts[1] if len(parts) > 2 or modules[name].name == "__init__.py" else parts[1].removesuffix(".py")
+
+
+def _order_breaks(graph, modules):
+    found = []
+    for name, targets in sorted(graph.items()):
+        here = _folder(name, modules)
+        for target in sorted(targets):
+            there = _folder(target, modules)
+            if there != here and there not in FOLDER_ORDER.get(here, set()):
+                found.append(f"{name} imports {target}: {here}/ may import only {sorted(FOLDER_ORDER.get(here, ()))}")
+    return found
+
+
+def test_every_module_sits_in_a_folder_of_the_order():
+    modules = _modules()
+    folders = {_folder(name, modules) for name in modules}
+    assert folders == set(FOLDER_ORDER), f"folders without a place in FOLDER_ORDER: {folders ^ set(FOLDER_ORDER)}"
+
+
+def test_the_package_keeps_its_folder_order():
+    modules = _modules()
+    graph = {name: _edges(name, path, modules) for name, path in modules.items()}
+    assert _order_breaks(graph, modules) == []
+
+
+def test_the_order_check_finds_an_import_against_the_order(tmp_path):
+    files = {"siamesenorm.run.folder": "from siamesenorm.ai2_olmo.train import main\n",
+             "siamesenorm.ai2_olmo.train": "from siamesenorm.run.folder import hold\n",
+             "siamesenorm.olmo_core.train": "from siamesenorm.ai2_olmo.train import check_data\n"}
+    modules = {}
+    for name, text in files.items():
+        path = tmp_path / (name.replace(".", "_") + ".py")
+        path.write_text(text)
+        modules[name] = path
+    graph = {name: _edges(name, path, modules) for name, path in modules.items()}
+    breaks = _order_breaks(graph, modules)
+    assert [b.split(":")[0] for b in breaks] == ["siamesenorm.olmo_core.train imports siamesenorm.ai2_olmo.train",
+                                                 "siamesenorm.run.folder imports siamesenorm.ai2_olmo.train"]

@@ -1,4 +1,4 @@
-"""The chunked cross-entropy (siamesenorm/loss.py): OLMo's loss value and gradient, without the fp32 logits kept
+"""The chunked cross-entropy (siamesenorm/nn/loss.py): OLMo's loss value and gradient, without the fp32 logits kept
 for backward, and selected by the config through OLMo's trainer."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 import torch
 from olmo.train import cross_entropy_loss
 
-from siamesenorm.loss import chunked_cross_entropy_loss
+from siamesenorm.nn.loss import chunked_cross_entropy_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 

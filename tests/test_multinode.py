@@ -39,7 +39,7 @@ def _steps(folder: Path):
 
 
 def test_generated_sbatch_line_is_one_torchrun_per_node_with_c10d_rendezvous():
-    from siamesenorm.slurm import sbatch_script
+    from siamesenorm.cluster.slurm import sbatch_script
 
     text = sbatch_script("configs/OLMo-1B-hybrid-2e-3.yaml", ["--save_folder=runs/x y", "--max_duration=1e9T"],
                          nodes=4, gpus_per_node=8, partition="gpu", model_type="hybrid_pre")
@@ -57,7 +57,7 @@ def test_generated_sbatch_line_is_one_torchrun_per_node_with_c10d_rendezvous():
 
 
 def test_two_nodes_killed_one_stops_the_job_and_a_resubmission_ends_as_an_uninterrupted_run(tmp_path):
-    from siamesenorm.slurm import sbatch_script
+    from siamesenorm.cluster.slurm import sbatch_script
 
     data = learnable_tokens(tmp_path / "data" / "train.npy")
     reference = tmp_path / "reference"

@@ -13,7 +13,7 @@ import torch
 
 from conftest import tiny_config
 from siamesenorm import build_model
-from siamesenorm.config import MODEL_TYPES
+from siamesenorm.models.config import MODEL_TYPES
 
 olmo_core_config = pytest.importorskip("siamesenorm.olmo_core.config")
 from siamesenorm.olmo_core import blocks as core_blocks  # noqa: E402
@@ -147,7 +147,7 @@ def test_parameter_counts_match_the_ai2_olmo_count_before_any_build():
     """OLMo-core logs ``num_params`` before it builds; ours counts the variant's parameters too, so the 1.3B
     recipe's count is the ai2-olmo path's (docs/training.md's table) for every MODEL_TYPE."""
     from siamesenorm import num_params_from_config
-    from siamesenorm.runconfig import load_config
+    from siamesenorm.run.recipe import load_config
 
     cfg = load_config("configs/OLMo-1B-1e-3.yaml", ["--save_folder=/tmp/unused-count"])
     for model_type in MODEL_TYPES:

@@ -14,14 +14,14 @@ import pytest
 import torch
 
 from conftest import tiny_config
-from siamesenorm.config import MODEL_TYPES
+from siamesenorm.models.config import MODEL_TYPES
 
 olmo_core_config = pytest.importorskip("siamesenorm.olmo_core.config")
 from olmo_core.ops import moe as moe_ops  # noqa: E402
 
 from siamesenorm.olmo_core import blocks as core_blocks  # noqa: E402
 from siamesenorm.olmo_core import moe_kernels  # noqa: E402
-from siamesenorm.runconfig import MoESettings, RunError, load_config, validate_run  # noqa: E402
+from siamesenorm.run.recipe import MoESettings, RunError, load_config, validate_run  # noqa: E402
 
 
 def _moved_off_init(model, seed=0):

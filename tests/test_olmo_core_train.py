@@ -142,7 +142,7 @@ def test_a_1b_recipe_maps_to_what_it_states(monkeypatch, austen_prepared):
     reductions (its fsdp.precision: mixed), compiled blocks, batch sizes in tokens, 100e9 tokens, the 1.3B shape."""
     from siamesenorm.olmo_core import train as core_train
     from siamesenorm.olmo_core.train import build_components
-    from siamesenorm.runconfig import load_config
+    from siamesenorm.run.recipe import load_config
 
     checked = []  # the recipe's FineWeb token files are not here; Austen's hold less than its 2048-sequence batch
     monkeypatch.setattr(core_train, "check_data", checked.append)
@@ -162,7 +162,7 @@ def test_a_1b_recipe_maps_to_what_it_states(monkeypatch, austen_prepared):
     tiny = load_config("configs/tiny-cpu.yaml", ["--save_folder=/tmp/unused-core-tiny"])
     _, tiny_module, _, _, _ = build_components(tiny)
     assert tiny_module.autocast_precision is None and not tiny_module.compile_model and tiny_module.dp_config is None
-    from siamesenorm.runconfig import RunError
+    from siamesenorm.run.recipe import RunError
 
     with pytest.raises(RunError, match="device_train_microbatch_size=8"):  # the ai2-olmo path's batch check
         build_components(tiny, world_size=2)
@@ -182,7 +182,7 @@ def core_checkpoint(tmp_path_factory, austen_prepared):
 
 def _metadata_with(folder: Path, change) -> None:
     """Rewrite step3's .metadata with ``change(metadata)`` applied (a legitimate pickle of the allowed classes)."""
-    from siamesenorm.safeload import load_checkpoint_metadata
+    from siamesenorm.run.safeload import load_checkpoint_metadata
 
     path = folder / "step3" / "model_and_optim" / ".metadata"
     with open(path, "rb") as f:

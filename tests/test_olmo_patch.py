@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from siamesenorm import MODEL_TYPES, build_model
-from siamesenorm import olmo_patch
+from siamesenorm.models import olmo_patch
 
 ROOT = Path(__file__).resolve().parents[1]
 PATCH = ROOT / "changes.patch"
@@ -71,8 +71,8 @@ def test_patched_source_tree_builds_the_same_models(pristine, tmp_path):
             with torch.no_grad():
                 torch.save(model(ids).logits, {str(tmp_path)!r} + f"/{{mt}}-patched.pt")
             out[mt] = sorted(n for n, _ in model.named_parameters())
-        import siamesenorm.registry as r
-        import siamesenorm._hook as h
+        import siamesenorm.models.registry as r
+        import siamesenorm.models.olmo_hook as h
         out["factory_untouched"] = olmo.model.OLMoBlock.build.__func__ not in (r._hooked_build, h._trampoline)
         print(json.dumps(out))
     """)

@@ -9,9 +9,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from siamesenorm import costmodel
-from siamesenorm.preflight import budget_tokens, largest_microbatch, preflight
-from siamesenorm.runconfig import load_config
+from siamesenorm.perf import costmodel
+from siamesenorm.cluster.preflight import budget_tokens, largest_microbatch, preflight
+from siamesenorm.run.recipe import load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")

@@ -11,7 +11,7 @@ from reference import Ref
 from test_variants import ids, randomize
 
 from siamesenorm import build_model
-from siamesenorm.config import as_siamese_config
+from siamesenorm.models.config import as_siamese_config
 
 
 def copy_shared(src, dst, rename=None):
@@ -115,7 +115,7 @@ def test_hybrid_qkv_norms_are_per_head_and_before_rope():
 
 
 def test_depth_scale_forms():
-    from siamesenorm.config import depth_scale
+    from siamesenorm.models.config import depth_scale
 
     paper = tiny_config(siamese_depth_scaling_form="inv_sqrt_layer")
     code = tiny_config(siamese_depth_scaling_form="inv_sqrt_2layer")

@@ -7,10 +7,10 @@ import textwrap
 import pytest
 
 import siamesenorm.variants as variants
-from siamesenorm.config import KNOB_OWNERS, LEGACY_KNOBS, MODEL_TYPES, SiameseModelConfig
-from siamesenorm.figures import COLOURS
-from siamesenorm.registry import BLOCKS
-from siamesenorm.tables import METHOD_NAMES
+from siamesenorm.models.config import KNOB_OWNERS, LEGACY_KNOBS, MODEL_TYPES, SiameseModelConfig
+from siamesenorm.analysis.figures import COLOURS
+from siamesenorm.models.registry import BLOCKS
+from siamesenorm.analysis.tables import METHOD_NAMES
 
 
 def test_every_view_of_the_variants_comes_from_the_files():
@@ -65,7 +65,7 @@ def test_a_broken_variant_file_is_named(monkeypatch, tmp_path, name, source, mes
 def test_knob_checks_are_declared_on_every_knob_and_fail_in_one_sentence():
     """Every str knob declares its choices and every numeric knob its range (siamesenorm/variants/spec.py: Knob);
     validate_model_config runs them for the knob's variants, each failure one sentence naming the field."""
-    from siamesenorm.config import validate_model_config
+    from siamesenorm.models.config import validate_model_config
     from siamesenorm.variants import KNOB_OWNERS, KNOBS
     from olmo.exceptions import OLMoConfigurationError
 
@@ -150,7 +150,7 @@ def test_a_variant_in_one_file_outside_the_package_trains_and_reaches_tables_and
          "--save_interval_unsharded=6", "--model.toy_branch_scale_init=0.25", f"--save_folder={run}")
     record = json.loads((run / "run.json").read_text())
     assert record["model_type"] == "toy_scaled" and record["status"] == "finished"
-    probe = ("import sys, torch; from siamesenorm.checkpoints import load_model_state; "
+    probe = ("import sys, torch; from siamesenorm.run.checkpoints import load_model_state; "
              "s = load_model_state(sys.argv[1]); print(s['transformer.blocks.0.branch_scale'].tolist())")
     scale = json.loads(call("-c", probe, run / "step6-unsharded"))
     assert scale != [0.25, 0.25] and all(abs(v - 0.25) < 0.2 for v in scale)  # trained from its knob's value
@@ -161,7 +161,7 @@ def test_a_variant_in_one_file_outside_the_package_trains_and_reaches_tables_and
     assert (out / "loss-curves.png").stat().st_size > 0
     assert "toy_scaled" in (out / "loss-curves.json").read_text()
     env["MODEL_TYPE"] = "pre"  # the extra folder changes nothing for the package's own variants
-    assert call("-c", "from siamesenorm.config import MODEL_TYPES; print(MODEL_TYPES[-1], len(MODEL_TYPES))"
+    assert call("-c", "from siamesenorm.models.config import MODEL_TYPES; print(MODEL_TYPES[-1], len(MODEL_TYPES))"
                 ).split()[0] == "toy_scaled"
 
 

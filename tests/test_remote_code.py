@@ -1,4 +1,4 @@
-"""An export loads with transformers alone (siamesenorm/remote): for every MODEL_TYPE and the knobs and OLMo options
+"""An export loads with transformers alone (siamesenorm/export/remote): for every MODEL_TYPE and the knobs and OLMo options
 that change the forward, ``AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True)`` in a Python where
 siamesenorm and ai2-olmo cannot be imported gives OLMo's logits and OLMo's greedy tokens."""
 
@@ -15,10 +15,10 @@ import pytest
 import torch
 from conftest import HIDE_SIAMESENORM_AND_OLMO
 
-from siamesenorm.config import MODEL_TYPES, SiameseModelConfig
-from siamesenorm.hf import SiameseOlmoConfig, SiameseOlmoForCausalLM, write_export
-from siamesenorm.model import build_model
-from siamesenorm.remote import AUTO_MAP, CHECKED_TRANSFORMERS, check_imports, files_for
+from siamesenorm.models.config import MODEL_TYPES, SiameseModelConfig
+from siamesenorm.export.hf import SiameseOlmoConfig, SiameseOlmoForCausalLM, write_export
+from siamesenorm.models.build import build_model
+from siamesenorm.export.remote import AUTO_MAP, CHECKED_TRANSFORMERS, check_imports, files_for
 
 PACKAGE = Path(__file__).resolve().parents[1] / "siamesenorm"
 IDS = [5, 17, 99, 3, 50, 10, 7, 42]
@@ -184,7 +184,7 @@ def test_the_exported_code_is_the_package_code_with_only_import_lines_changed(mo
     for name, text in files.items():
         if name == "variant_table.py":
             continue
-        source = (PACKAGE / "remote" / name if name in ("olmo_lite.py", "modeling_siamesenorm.py") else
+        source = (PACKAGE / "export" / "remote" / name if name in ("olmo_lite.py", "modeling_siamesenorm.py") else
                   PACKAGE / "nn" / name if name in ("topologies.py", "fused.py") else PACKAGE / "variants" / name)
         original = source.read_text().splitlines()
         copied = text.splitlines()

@@ -8,7 +8,7 @@ import sys
 import pytest
 from test_training import ROOT, SMALL, TINY, learnable_tokens
 
-from siamesenorm.stability import EXIT_DIVERGED, Diverged, StabilityConfig, StabilityMonitor
+from siamesenorm.run.stability import EXIT_DIVERGED, Diverged, StabilityConfig, StabilityMonitor
 
 
 def monitor(**kw):

@@ -6,7 +6,7 @@ import sys
 
 from test_training import ROOT, SMALL, TINY, learnable_tokens
 
-from siamesenorm.sweep import load_plan, status
+from siamesenorm.studies.sweep import load_plan, status
 
 
 def test_sweep_runs_two_cells_then_skips_them(tmp_path):
@@ -56,7 +56,7 @@ def test_sweep_runs_two_cells_then_skips_them(tmp_path):
 def test_v2_plan_groups_knobs_settings_and_checkpoints_over_time(tmp_path):
     """The second sweep's plan features on tiny cells: model shapes as knobs, a schedule setting, a cell analysed at
     several checkpoints; then the v2 report reads depth, warmup, over-time and massive-activation numbers."""
-    from siamesenorm import study_v2
+    from siamesenorm.studies import depth_and_dynamics as study_v2
 
     data = learnable_tokens(tmp_path / "train.npy")
     plan = tmp_path / "plan.yaml"

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from siamesenorm.records import read_record, write_record
-from siamesenorm.tables import build_table, format_lr, format_tokens, to_csv, to_latex, to_markdown
+from siamesenorm.run.records import read_record, write_record
+from siamesenorm.analysis.tables import build_table, format_lr, format_tokens, to_csv, to_latex, to_markdown
 
 ROOT = Path(__file__).resolve().parents[1]
 LABELS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "openbook_qa", "basic_arithmetic")
@@ -147,7 +147,7 @@ def test_crashed_stopped_running_and_too_short_runs_are_marked_and_empty_columns
     seeds = [{**crashed, "seed": 2}, {**crashed, "seed": 3, "updated": 2.0}]
     table = build_table([crashed, killed, running, smoke, failed], warn=None)
     cells = {row.method: row.texts[0] for row in table.rows}
-    from siamesenorm.tables import METHOD_NAMES
+    from siamesenorm.analysis.tables import METHOD_NAMES
 
     expected = {"pre": "crashed", "post": "stopped", "hc": "running", "hybrid_pre": "too short", "post_pre": "diverge"}
     assert cells == {METHOD_NAMES[mt]: text for mt, text in expected.items()}, cells
@@ -167,7 +167,7 @@ def _evaluated(record, max_batches, batch_size=8, t=3.0, **changes):
 
 
 def test_a_subset_evaluation_never_replaces_the_runs_own_numbers_and_is_marked(capsys):
-    from siamesenorm.tables import LEGEND, subset_note
+    from siamesenorm.analysis.tables import LEGEND, subset_note
 
     run = {**rec("hybrid_pre", 1e-3, 88.28), "path": "runs/x/run.json"}
     subset = _evaluated(run, 2, val_perplexity=85.96)

@@ -59,7 +59,7 @@ def losses(folder: Path):
 
 
 def final_weights(folder: Path, strategy: str, step: int):
-    from siamesenorm.checkpoints import load_model_state
+    from siamesenorm.run.checkpoints import load_model_state
 
     return load_model_state(folder / (f"step{step}-unsharded" if strategy == "ddp" else f"step{step}"))
 
@@ -94,7 +94,7 @@ def test_torchrun_train_save_resume_is_exact(tmp_path, strategy, model_type):
     saved = (split / "step16" if strategy == "fsdp" else split / "step16-unsharded") / "config.yaml"
     assert f"model_type: {model_type}" in saved.read_text()
     if strategy == "ddp":  # (FSDP's legacy shards hold the same trainer state, beside sharded tensors)
-        from siamesenorm.safeload import load as safe_load
+        from siamesenorm.run.safeload import load as safe_load
 
         guard = safe_load(split / "step16-unsharded" / "train.pt")["stability"]  # the guard's state rides along:
         assert guard["recent"] == pytest.approx([full[s] for s in range(1, 17)], rel=1e-6)  # steps 1-8 from step8
@@ -149,7 +149,7 @@ def test_dry_run_prints_config_and_parameter_count(austen_prepared):
     assert proc.returncode == 0, proc.stderr
     assert "model_type: hybrid_pre" in proc.stdout
     from siamesenorm import num_params_from_config
-    from siamesenorm.train import load_config
+    from siamesenorm.ai2_olmo.train import load_config
 
     n = num_params_from_config(load_config(str(TINY)).model, "hybrid_pre")
     assert f"MODEL_TYPE=hybrid_pre  parameters: {n:,d}" in proc.stdout
@@ -162,7 +162,7 @@ def test_in_loop_downstream_evaluation_runs_on_cpu(tmp_path, monkeypatch):
     from olmo.eval import build_evaluators
 
     from siamesenorm import build_model
-    from siamesenorm.train import SiameseTrainer, load_config
+    from siamesenorm.ai2_olmo.train import SiameseTrainer, load_config
 
     cfg = load_config(str(TINY), [
         "--model.d_model=32", "--model.n_heads=2", "--model.n_layers=2", "--model.vocab_size=50280",

@@ -24,8 +24,8 @@ import torch
 from test_cluster import checkpointed_mixln, data, env, error_line, train  # noqa: F401  (fixtures)
 from test_training import ROOT, learnable_tokens
 
-from siamesenorm.checkpoints import UnsafeCheckpoint, check_saved_yaml
-from siamesenorm.safeload import check_torch_file, load, load_olmo_safetensors
+from siamesenorm.run.checkpoints import UnsafeCheckpoint, check_saved_yaml
+from siamesenorm.run.safeload import check_torch_file, load, load_olmo_safetensors
 
 
 # ---- payloads --------------------------------------------------------------------------------------------------
@@ -178,7 +178,7 @@ def test_numpy_array_larger_than_its_bytes_is_refused_in_bounded_memory(tmp_path
     shutil.copytree(checkpointed_mixln / "step4-unsharded", folder)
     torch.save({"bomb": _NumpyBomb()}, folder / "model.pt")
     assert (folder / "model.pt").stat().st_size < 4096
-    rss, out = peak_rss_mb(f"from siamesenorm.checkpoints import load_model_state\ntry:\n"
+    rss, out = peak_rss_mb(f"from siamesenorm.run.checkpoints import load_model_state\ntry:\n"
                            f"    load_model_state({str(folder)!r})\nexcept Exception as e: print('REFUSED', e)")
     assert "REFUSED refusing to load" in out and "a numpy array of shape (2147483648,) with 8 bytes" in out, out
     assert rss < 1500, f"peak RSS {rss} MB"
@@ -207,7 +207,7 @@ def test_a_pickle_that_inflates_is_refused_without_inflating(tmp_path):
                 f.write(chunk)
         zf.writestr("archive/version", "3\n")
     assert path.stat().st_size < 8 * 2**20
-    rss, out = peak_rss_mb(f"from siamesenorm.safeload import load\ntry:\n    load({str(path)!r})\n"
+    rss, out = peak_rss_mb(f"from siamesenorm.run.safeload import load\ntry:\n    load({str(path)!r})\n"
                            "except Exception as e: print('REFUSED', e)")
     assert "REFUSED" in out and "compressed member archive/data.pkl" in out, out
     assert rss < 1000, f"peak RSS {rss} MB"
@@ -243,7 +243,7 @@ def test_storage_and_view_bounds(tmp_path):
 def test_sharded_sizes_beyond_the_files_are_refused(tmp_path):
     """A ShardedTensor's metadata may not claim more elements than the checkpoint's files hold (OLMo's unshard
     allocates shared memory from it). The bound itself; test_training's FSDP resume passes real rank files through it."""
-    from siamesenorm import safeload
+    from siamesenorm.run import safeload
 
     bound = safeload._ShardedBound(1000)
     with pytest.raises(safeload._Refused, match="more than the checkpoint's files hold"):
@@ -369,7 +369,7 @@ def test_a_build_step_that_re_views_a_checked_tensor_is_refused(tmp_path):
 
 def test_a_memo_index_far_beyond_the_pickle_is_refused_in_bounded_memory(tmp_path):
     path = torch_zip(tmp_path / "model.pt", b"\x80\x04N" + b"r" + struct.pack("<I", 2**31) + b".")
-    rss, out = peak_rss_mb(f"from siamesenorm.safeload import load\ntry:\n    load({str(path)!r})\n"
+    rss, out = peak_rss_mb(f"from siamesenorm.run.safeload import load\ntry:\n    load({str(path)!r})\n"
                            "except Exception as e: print('REFUSED', e)")
     assert "REFUSED" in out and "a memo index 2,147,483,648 beyond the 0 objects stored before it" in out, out
     assert rss < 1000, f"peak RSS {rss} MB"
@@ -384,7 +384,7 @@ def _dicts_and_floats(dicts: int, units: int) -> bytes:
 def test_the_checker_spends_at_most_its_bound_per_byte_of_pickle(tmp_path):
     import tracemalloc
 
-    from siamesenorm.safeload import CHECK_BYTES_PER_PICKLE_BYTE, MAX_PICKLE_BYTES, prescan_pickle
+    from siamesenorm.run.safeload import CHECK_BYTES_PER_PICKLE_BYTE, MAX_PICKLE_BYTES, prescan_pickle
 
     prescan_pickle(_saved_members({"model": {f"w{i}": torch.zeros(3) for i in range(50)}, "step": 3,
                                    "x": [1.5] * 20})["archive/data.pkl"])  # an ordinary pickle: accepted
@@ -431,7 +431,7 @@ def test_what_torch_refuses_after_our_check_is_one_line_without_weights_only_adv
     message = str(refused.value)
     assert message.startswith(f"refusing to load {crafted}: torch's restricted reader refused it after our check")
     assert "\n" not in message and "weights_only" not in message
-    from siamesenorm.safeload import _plain
+    from siamesenorm.run.safeload import _plain
 
     assert _plain(RuntimeError("Weights only load failed.\nRe-running `torch.load` with `weights_only` set to "
                                "`False` will likely succeed")) == "refused by torch's restricted reader"
@@ -453,7 +453,7 @@ def test_a_batch_script_refuses_values_that_would_add_a_command(tmp_path, option
 
 
 def test_a_batch_script_names_its_model_type_and_beats_a_stale_environment(tmp_path):
-    from siamesenorm.slurm import sbatch_script
+    from siamesenorm.cluster.slurm import sbatch_script
 
     text = sbatch_script("configs/tiny-cpu.yaml", ["--save_folder=runs/it's here"], model_type="hybrid_pre",
                          job_name="hp", time="1-00:00:00", partition="gpu")

@@ -1,5 +1,5 @@
 """Write a SLURM batch script for a multi-node run: one torchrun per node, c10d rendezvous on the first node.
-Logic: siamesenorm/slurm.py; an example: scripts/slurm/OLMo-1B-hybrid-2e-3-4x8.sbatch.
+Logic: siamesenorm/cluster/slurm.py; an example: scripts/slurm/OLMo-1B-hybrid-2e-3-4x8.sbatch.
 
   python scripts/slurm/make_sbatch.py --nodes 4 --gpus-per-node 8 --model-type hybrid_pre \\
       configs/OLMo-1B-hybrid-2e-3.yaml --save_folder=runs/OLMo-1B-hybrid-2e-3-hybrid_pre > job.sbatch
@@ -35,11 +35,11 @@ def main(argv=None) -> int:
     if not Path(args.config).is_file():
         parser.error(f"config file {args.config} not found; pick one from configs/")
     if args.model_type is not None:
-        from siamesenorm.config import MODEL_TYPES
+        from siamesenorm.models.config import MODEL_TYPES
 
         if args.model_type not in MODEL_TYPES:
             parser.error(f"unknown --model-type {args.model_type!r}; use one of {', '.join(MODEL_TYPES)}")
-    from siamesenorm.slurm import sbatch_script
+    from siamesenorm.cluster.slurm import sbatch_script
 
     try:
         text = sbatch_script(args.config, overrides, args.nodes, args.gpus_per_node, args.time, args.cpus_per_node,

@@ -336,7 +336,7 @@ def _use_triton(t: Tensor) -> bool:
 
 
 Opt = Optional[Tensor]
-#: The ops' namespace: ``siamesenorm`` in the package. An export carries a copy of this file (siamesenorm/remote/),
+#: The ops' namespace: ``siamesenorm`` in the package. An export carries a copy of this file (siamesenorm/export/remote/),
 #: which transformers loads as a module of its own, perhaps beside the package or another export's copy in one
 #: process; an op name registers once per process, so a copy registers under its own module's name.
 NAMESPACE = "siamesenorm" if __name__ == "siamesenorm.nn.fused" else "siamesenorm_" + re.sub(r"\W", "_", __name__)

@@ -33,7 +33,7 @@ from typing import Callable, Dict, Optional, Tuple, Type
 import torch
 import torch.nn as nn
 
-from . import require_olmo_core
+from siamesenorm.olmo_core import require_olmo_core
 
 require_olmo_core()
 
@@ -42,12 +42,12 @@ from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType  # noqa: E402
 from olmo_core.nn.transformer.block import (MoETransformerBlock, TransformerBlock,  # noqa: E402
                                             TransformerBlockBase)
 
-from ..nn.topologies import (HyperConnection, ManifoldHyperConnection, StackedStreams, hybrid_norm_update,
+from siamesenorm.nn.topologies import (HyperConnection, ManifoldHyperConnection, StackedStreams, hybrid_norm_update,
                              post_norm_update, siamese_hybrid_attention, siamese_update)
-from ..variants._base import depth_scale
-from ..variants.deepnorm import deepnorm_alpha, deepnorm_beta
-from ..variants.mixln import mixln_post_layers
-from ..variants.spec import knob
+from siamesenorm.variants._base import depth_scale
+from siamesenorm.variants.deepnorm import deepnorm_alpha, deepnorm_beta
+from siamesenorm.variants.mixln import mixln_post_layers
+from siamesenorm.variants.spec import knob
 
 __all__ = ["CoreTopologyBlock", "VHeadNormAttention", "TOPOLOGIES", "CORE_BLOCKS", "CORE_MOE_BLOCKS", "hosted",
            "core_block_class"]

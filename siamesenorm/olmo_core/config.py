@@ -22,10 +22,10 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from ..config import resolve_model_type, validate_model_config
-from ..variants import VARIANTS
-from . import moe_kernels
-from .blocks import QKV_HEAD_NORM_TYPES, core_block_class  # checks the OLMo-core release first
+from siamesenorm.models.config import resolve_model_type, validate_model_config
+from siamesenorm.variants import VARIANTS
+from siamesenorm.olmo_core import moe_kernels
+from siamesenorm.olmo_core.blocks import QKV_HEAD_NORM_TYPES, core_block_class  # checks the OLMo-core release first
 
 from olmo_core.nn.attention import AttentionConfig
 from olmo_core.nn.feed_forward import FeedForwardConfig
@@ -47,7 +47,7 @@ def enum_value(field) -> str:
 @dataclass
 class SiameseBlockConfig(TransformerBlockConfig):
     """OLMo-core's block config plus the variant: ``model_type`` (chosen as on the ai2-olmo path: the ``MODEL_TYPE``
-    environment variable, else this field, else ``pre``) and its ``knobs`` (model config fields of siamesenorm.config, e.g. ``{"siamese_depth_scaling": false}``; a knob not
+    environment variable, else this field, else ``pre``) and its ``knobs`` (model config fields of siamesenorm.models.config, e.g. ``{"siamese_depth_scaling": false}``; a knob not
     given has its default)."""
 
     model_type: Optional[str] = None
@@ -136,7 +136,7 @@ def _refuse_unsupported(model_config) -> None:
 
 
 def moe_config(moe, d_model: int) -> MoEConfig:
-    """OLMo-core's ``MoEConfig`` for a recipe's ``moe:`` (``siamesenorm.runconfig.MoESettings``): SwiGLU experts
+    """OLMo-core's ``MoEConfig`` for a recipe's ``moe:`` (``siamesenorm.run.recipe.MoESettings``): SwiGLU experts
     without biases, softmax top-k routing, dropless unless a capacity factor is given."""
     shared = moe.shared_hidden_size
     return MoEConfig(

@@ -23,11 +23,11 @@ from typing import Dict, List, Optional
 import torch
 import torch.nn as nn
 
-from ..runconfig import check_batch_split, load_config, validate_run
-from ..runfolder import FINGERPRINT_NAME, check_same_data, data_fingerprint
-from ..safeload import checked_olmo_core_loads
-from ..train import check_data
-from .config import enum_value, transformer_config  # checks the OLMo-core release first
+from siamesenorm.run.recipe import check_batch_split, load_config, validate_run
+from siamesenorm.run.folder import FINGERPRINT_NAME, check_same_data, data_fingerprint
+from siamesenorm.run.safeload import checked_olmo_core_loads
+from siamesenorm.run.recipe import check_data
+from siamesenorm.olmo_core.config import enum_value, transformer_config  # checks the OLMo-core release first
 
 from olmo_core.config import DType
 from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
@@ -70,7 +70,7 @@ class MetricsFileCallback(Callback):
 
 
 def no_decay_names(model, cfg) -> List[str]:
-    """The parameters that take no weight decay, as ai2-olmo's groups place them (siamesenorm/trainer.py): only
+    """The parameters that take no weight decay, as ai2-olmo's groups place them (siamesenorm/ai2_olmo/trainer.py): only
     the weights of linear layers decay (the embedding too with ``optimizer.decay_embeddings``, norms and biases with
     ``optimizer.decay_norm_and_bias``), plus the coefficients a topology lists in ``weight_decay_params`` (hc's
     dynamic projections). An MoE's expert matrices and its router's weight are linear weights, and decay."""

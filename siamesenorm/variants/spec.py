@@ -1,6 +1,6 @@
 """What a variant file declares: ``VARIANT = Variant(...)``, with its knobs as ``Knob``s.
 
-A knob becomes a field of ``model:`` in the YAML configs (siamesenorm.config builds SiameseModelConfig from every
+A knob becomes a field of ``model:`` in the YAML configs (siamesenorm.models.config builds SiameseModelConfig from every
 variant's knobs). ``knob(config, name)`` reads one from any OLMo ModelConfig, falling back to its default.
 """
 
@@ -33,7 +33,7 @@ class Knob:
     legacy: Any = UNSET
     #: The type of the config field (OmegaConf checks values against it).
     type: Any = None
-    #: Declared checks, run for the knob's variants by siamesenorm.config.validate_model_config (``check``):
+    #: Declared checks, run for the knob's variants by siamesenorm.models.config.validate_model_config (``check``):
     #: the value must be one of ``choices``; or a number >= ``minimum`` (and <= ``maximum``), a whole number when
     #: the default is one.
     choices: Optional[Tuple[Any, ...]] = None
@@ -82,7 +82,7 @@ class Variant:
     table_row: Optional[float] = None
     knobs: Tuple[Knob, ...] = ()
     #: ``validate(config)`` raises (via ``fail``) with one sentence saying what to change; the checks that every
-    #: non-pre variant shares live in siamesenorm.config.validate_model_config.
+    #: non-pre variant shares live in siamesenorm.models.config.validate_model_config.
     validate: Optional[Callable[[Any], None]] = None
     #: The paper's names for the internal stream names of ``block.stream_names`` (figures' legends).
     stream_labels: dict = field(default_factory=dict)

@@ -1,0 +1,372 @@
+"""What each MODEL_TYPE costs, as a ratio to Pre-Norm measured in the same process (scripts/benchmark.py).
+
+For one recipe (its model; optionally fewer layers, another width, batch or sequence length) and a list of
+MODEL_TYPEs, eager and with each block compiled (as training does with ``compile:`` in a config), it measures:
+
+- step time: one training step (forward, backward, AdamW step, zero_grad) timed with ``torch.utils.benchmark``;
+  the variants are interleaved and each is timed ``repeats`` times, and the median and the spread (min to max)
+  are reported, so that a drift of the machine hits every variant alike; tokens/s = tokens per step / median;
+- activation memory: the bytes of the distinct tensors autograd saves for backward in one forward
+  (``torch.autograd.graph.saved_tensors_hooks``; storages counted once; parameters, which are saved too but are
+  not activations, left out). With compiled blocks this counts what the compiled graphs save;
+- parameters; FLOPs per token of forward + backward (``torch.utils.flop_counter``, the matmuls and attention);
+- on CUDA also the peak allocated memory of a step and the model FLOPs utilisation against the device's peak.
+
+Ratios divide by ``pre`` of the same mode (eager by eager, compiled by compiled).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import json
+import re
+import statistics
+import sys
+import time
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+
+from siamesenorm.models.build import build_model
+from siamesenorm.run.recipe import load_config
+from siamesenorm.variants._base import set_recompute
+
+__all__ = ["BenchSettings", "model_config", "activation_bytes", "activation_breakdown", "flops_per_token", "run",
+           "to_markdown", "breakdown_markdown"]
+
+#: Dense bf16 peak FLOP/s by device name (the vendors' datasheets, without sparsity), for MFU.
+PEAK_FLOPS = {"H100": 989e12, "H200": 989e12, "A100": 312e12, "A10G": 125e12, "L4": 121e12, "V100": 125e12}
+
+
+@dataclasses.dataclass
+class BenchSettings:
+    recipe: str = "configs/tiny-cpu.yaml"
+    model_types: Sequence[str] = ("pre", "hybrid_pre")
+    layers: Optional[int] = None
+    d_model: Optional[int] = None
+    vocab: Optional[int] = None
+    batch: int = 4
+    seq: int = 256
+    repeats: int = 7
+    steps_per_timing: int = 2
+    modes: Sequence[str] = ("eager", "compiled")
+    group_size: int = 0  # variants held in memory at once besides pre (0: all); each group has its own pre
+    device: str = "cuda" if torch.cuda.is_available() else "cpu"
+    seed: int = 0
+    recompute: Optional[bool] = None  # model.recompute_cheap; None: the recipe's
+    fused: Optional[bool] = None  # model.fused_streams; None: the recipe's
+
+
+def model_config(settings: BenchSettings):
+    """The recipe's model config with the benchmark's cuts applied (fewer layers, another width, the sequence)."""
+    cfg = load_config(settings.recipe).model
+    if settings.layers is not None:
+        cfg.n_layers = settings.layers
+    if settings.d_model is not None:
+        cfg.d_model = settings.d_model
+    if settings.vocab is not None:
+        cfg.vocab_size = cfg.embedding_size = settings.vocab
+        cfg.eos_token_id, cfg.pad_token_id = 0, min(cfg.pad_token_id, settings.vocab - 1)
+    if settings.recompute is not None:
+        cfg.recompute_cheap = settings.recompute
+    if settings.fused is not None:
+        cfg.fused_streams = settings.fused
+    cfg.max_sequence_length = max(cfg.max_sequence_length, settings.seq)
+    cfg.init_device = settings.device
+    cfg.flash_attention = False
+    return cfg
+
+
+def _parameter_storages(model: torch.nn.Module) -> set:
+    return {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+
+def activation_bytes(model: torch.nn.Module, loss_fn: Callable[[], torch.Tensor]) -> int:
+    """Bytes of the distinct non-parameter tensors autograd saves for backward while ``loss_fn()`` runs forward
+    (storages counted once, at their full size); backward is run afterwards to free them."""
+    params = _parameter_storages(model)
+    seen: Dict[int, int] = {}
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr != 0:
+            seen[ptr] = max(seen.get(ptr, 0), storage.nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = loss_fn()
+    total = sum(seen.values())
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    return total
+
+
+def activation_breakdown(model: torch.nn.Module, ids: torch.Tensor) -> Dict[str, float]:
+    """Where the activation bytes of one forward go: the saved storages of ``activation_bytes``, each charged to
+    the innermost module running when autograd saved it (block indices folded: ``blocks.*.att_proj``; "block"
+    is the block's own forward, i.e. the topology's additions, scalings and stream mixing outside any
+    submodule). Values are d_model-sized fp32 vectors per token and layer, so 1.0 = one (B, T, d) tensor in every
+    layer."""
+    params = _parameter_storages(model)
+    names = {m: re.sub(r"\.\d+(?=\.|$)", ".*", n) for n, m in model.named_modules()}
+    stack: List[str] = []
+    seen: Dict[int, tuple] = {}
+
+    def enter(module, args) -> None:
+        stack.append(names[module])
+
+    def leave(module, args, output) -> None:
+        stack.pop()
+
+    hooks = [m.register_forward_pre_hook(enter) for m in names] + [m.register_forward_hook(leave) for m in names]
+    wrapped = [m for m in names if callable(getattr(m, "attention", None)) and hasattr(m, "att_proj")]
+    for block in wrapped:  # attention is a method, not a module: mark it for the duration of its call
+        block.attention = _marked(block.attention, names[block] + ".attention", stack)
+
+    def pack(t: torch.Tensor):
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr not in params and ptr != 0 and ptr not in seen:
+            where = stack[-1] if stack else "(model)"
+            if where == "transformer.blocks.*":  # the block's own code: name the function of ours that saved it
+                where += " " + _our_caller()
+            seen[ptr] = (where, storage.nbytes())
+        return t
+
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            loss = _loss(model, ids)
+    finally:
+        for h in hooks:
+            h.remove()
+        for block in wrapped:
+            del block.attention
+    loss.backward()
+    model.zero_grad(set_to_none=True)
+    cfg = model.config
+    unit = ids.numel() * cfg.d_model * 4 * cfg.n_layers
+    out: Dict[str, float] = {}
+    for where, nbytes in seen.values():
+        key = "logits and loss" if where == "(model)" else where.replace("transformer.blocks.* ", "block: ")
+        key = key.replace("transformer.blocks.*.", "").replace("transformer.", "")
+        out[key] = out.get(key, 0.0) + nbytes / unit
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def _our_caller() -> str:
+    """The innermost function of this package's variants or core on the stack (what saved a tensor)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        if "/siamesenorm/variants/" in path or "/siamesenorm/nn/" in path:
+            return frame.f_code.co_name
+        frame = frame.f_back
+    return "?"
+
+
+def _marked(method: Callable, name: str, stack: List[str]) -> Callable:
+    def call(*args, **kwargs):
+        stack.append(name)
+        try:
+            return method(*args, **kwargs)
+        finally:
+            stack.pop()
+
+    return call
+
+
+def flops_per_token(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    from torch.utils.flop_counter import FlopCounterMode
+
+    counter = FlopCounterMode(display=False)
+    with counter:
+        _loss(model, ids).backward()
+    model.zero_grad(set_to_none=True)
+    return counter.get_total_flops() / ids.numel()
+
+
+def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    logits = model(ids).logits
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
+                                             ids[:, 1:].reshape(-1))
+
+
+def _peak_flops() -> Optional[float]:
+    if not torch.cuda.is_available():
+        return None
+    name = torch.cuda.get_device_name()
+    return next((v for k, v in PEAK_FLOPS.items() if k in name), None)
+
+
+class _Variant:
+    """One MODEL_TYPE in one mode: its model, optimizer, batch and a timer of one training step."""
+
+    def __init__(self, model_type: str, mode: str, settings: BenchSettings, cfg):
+        from torch.utils.benchmark import Timer
+
+        torch.manual_seed(settings.seed)
+        self.model_type, self.mode = model_type, mode
+        self.model = build_model(dataclasses.replace(cfg), model_type).train()
+        if mode == "compiled":
+            for block in self.model.transformer.blocks:
+                block.compile(fullgraph=True)
+        self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.ids = torch.randint(0, cfg.vocab_size, (settings.batch, settings.seq), device=settings.device)
+        self.step()  # the first step compiles (compiled mode) and allocates the optimizer state
+        self.timer = Timer(stmt="step()", globals={"step": self._steps(settings.steps_per_timing)})
+        self.times: List[float] = []
+        self.settings = settings
+
+    def step(self) -> None:
+        _loss(self.model, self.ids).backward()
+        self.optim.step()
+        self.optim.zero_grad(set_to_none=True)
+        if self.ids.is_cuda:
+            torch.cuda.synchronize()
+
+    def _steps(self, n: int) -> Callable[[], None]:
+        def run() -> None:
+            for _ in range(n):
+                self.step()
+
+        return run
+
+    def time_once(self) -> None:
+        measured = self.timer.timeit(1)
+        self.times.append(measured.median / self.settings.steps_per_timing)
+
+    def result(self) -> Dict:
+        s = self.settings
+        out = {"model_type": self.model_type, "mode": self.mode,
+               "parameters": sum(p.numel() for p in self.model.parameters()),
+               "step_s_median": statistics.median(self.times), "step_s_min": min(self.times),
+               "step_s_max": max(self.times), "repeats": len(self.times),
+               "tokens_per_s": s.batch * s.seq / statistics.median(self.times),
+               "activation_bytes": activation_bytes(self.model, lambda: _loss(self.model, self.ids)),
+               "flops_per_token": flops_per_token(self.model, self.ids) if self.mode == "eager" else None}
+        if self.ids.is_cuda:
+            torch.cuda.reset_peak_memory_stats()
+            self.step()
+            out["cuda_peak_bytes"] = torch.cuda.max_memory_allocated()
+        return out
+
+
+def run(settings: BenchSettings, progress: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> Dict:
+    """Measure every MODEL_TYPE in every mode; returns settings, rows (ratios to pre of the same mode included)."""
+    cfg = model_config(settings)
+    types = list(dict.fromkeys(["pre", *settings.model_types]))  # pre first: the ratios' denominator
+    rows: List[Dict] = []
+    others = types[1:]
+    size = settings.group_size or len(others) or 1
+    groups = [others[i:i + size] for i in range(0, len(others), size)] or [[]]
+    for mode in settings.modes:
+        for g, group in enumerate(groups):
+            variants = []
+            for mt in ["pre", *group]:
+                started = time.time()
+                variants.append(_Variant(mt, mode, settings, cfg))
+                progress(f"[{mode}] built {mt} ({time.time() - started:.1f} s"
+                         f"{', compiled' if mode == 'compiled' else ''})")
+            for r in range(settings.repeats):  # interleaved: each repeat times every variant of the group once
+                for v in variants:
+                    v.time_once()
+                progress(f"[{mode}] group {g + 1}/{len(groups)}: timing round {r + 1}/{settings.repeats}")
+            measured = [v.result() for v in variants]
+            base = measured[0]
+            for row in measured:  # ratios against the pre timed alongside (the same group)
+                row["step_time_ratio"] = row["step_s_median"] / base["step_s_median"]
+                row["activation_ratio"] = row["activation_bytes"] / base["activation_bytes"]
+                if "cuda_peak_bytes" in row:
+                    row["cuda_peak_ratio"] = row["cuda_peak_bytes"] / base["cuda_peak_bytes"]
+            rows.extend(measured if g == 0 else measured[1:])
+            progress(f"[{mode}] measured {', '.join(v.model_type for v in variants)}")
+            del variants
+            gc.collect()
+        if mode == "compiled":
+            torch._dynamo.reset()
+    peak = _peak_flops()
+    for mode in settings.modes:
+        eager = {r["model_type"]: r for r in rows if r["mode"] == "eager"}
+        for r in (r for r in rows if r["mode"] == mode):
+            fpt = (eager.get(r["model_type"]) or {}).get("flops_per_token")
+            r["flops_per_token"] = fpt
+            r["flops_ratio"] = fpt / eager["pre"]["flops_per_token"] if fpt and "pre" in eager else None
+            if peak and fpt:
+                r["mfu"] = fpt * r["tokens_per_s"] / peak
+    return {"settings": {**dataclasses.asdict(settings), "model_types": types, "n_layers": cfg.n_layers,
+                         "d_model": cfg.d_model, "vocab_size": cfg.vocab_size, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                         "device_name": torch.cuda.get_device_name() if settings.device == "cuda" else "cpu"},
+            "rows": rows}
+
+
+def to_markdown(result: Dict) -> str:
+    rows = result["rows"]
+    cuda = any("cuda_peak_bytes" in r for r in rows)
+    head = ["MODEL_TYPE", "mode", "params", "step ms (min-max)", "x pre", "tokens/s", "activations MiB", "x pre",
+            "GFLOPs/token", "x pre"] + (["peak MiB", "x pre", "MFU"] if cuda else [])
+    lines = ["| " + " | ".join(head) + " |", "|" + "|".join([" --- "] * 2 + [" ---: "] * (len(head) - 2)) + "|"]
+    for r in rows:
+        cells = [r["model_type"], r["mode"], f"{r['parameters']:,d}",
+                 f"{1e3 * r['step_s_median']:.1f} ({1e3 * r['step_s_min']:.1f}-{1e3 * r['step_s_max']:.1f})",
+                 f"{r['step_time_ratio']:.3f}", f"{r['tokens_per_s']:,.0f}", f"{r['activation_bytes'] / 2**20:.1f}",
+                 f"{r['activation_ratio']:.3f}",
+                 "-" if r["flops_per_token"] is None else f"{r['flops_per_token'] / 1e9:.4f}",
+                 "-" if r["flops_ratio"] is None else f"{r['flops_ratio']:.3f}"]
+        if cuda:
+            cells += [f"{r['cuda_peak_bytes'] / 2**20:.0f}", f"{r['cuda_peak_ratio']:.3f}",
+                      "-" if r.get("mfu") is None else f"{100 * r['mfu']:.1f}%"]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def save(result: Dict, path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)
+        f.write("\n")
+
+
+def breakdown(settings: BenchSettings) -> Dict[str, Dict[str, float]]:
+    """``activation_breakdown`` of every MODEL_TYPE of ``settings`` (eager, one model at a time)."""
+    cfg = model_config(settings)
+    out = {}
+    for mt in dict.fromkeys(["pre", *settings.model_types]):
+        torch.manual_seed(settings.seed)
+        model = build_model(dataclasses.replace(cfg), mt).train()
+        ids = torch.randint(0, cfg.vocab_size, (settings.batch, settings.seq), device=settings.device)
+        out[mt] = activation_breakdown(model, ids)
+        del model
+        gc.collect()
+    return out
+
+
+def breakdown_markdown(result: Dict[str, Dict[str, float]]) -> str:
+    """One column per MODEL_TYPE, one row per place (d_model-sized vectors per token and layer)."""
+    types = list(result)
+    places = list(dict.fromkeys(k for mt in types for k in result[mt]))
+    lines = ["| saved in | " + " | ".join(types) + " |", "| --- |" + " ---: |" * len(types)]
+    for place in places:
+        lines.append(f"| {place} | " + " | ".join(f"{result[mt].get(place, 0.0):.2f}" for mt in types) + " |")
+    lines.append("| **total** | " + " | ".join(f"**{sum(result[mt].values()):.2f}**" for mt in types) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def recompute_cost(settings: BenchSettings) -> Dict[str, Dict[str, float]]:
+    """Step time with ``model.recompute_cheap`` on and off, eager, every variant and both settings interleaved in
+    one process for ``repeats`` rounds: {model_type: {"on": x pre, "off": x pre}}, both divided by pre with
+    recompute on (pre's two norms are recomputed too when on)."""
+    from torch.utils.benchmark import Timer
+
+    cfg = model_config(settings)
+    steps = {mt: _Variant(mt, "eager", settings, cfg) for mt in dict.fromkeys(["pre", *settings.model_types])}
+    times: Dict[tuple, List[float]] = {(mt, on): [] for mt in steps for on in (True, False)}
+    for _ in range(settings.repeats):
+        for mt, v in steps.items():
+            for on in (True, False):
+                set_recompute(v.model, on)
+                timer = Timer(stmt="step()", globals={"step": v.step})
+                times[(mt, on)].append(timer.timeit(1).median)
+    base = statistics.median(times[("pre", True)])
+    return {mt: {("on" if on else "off"): statistics.median(times[(mt, on)]) / base for on in (True, False)}
+            for mt in steps}

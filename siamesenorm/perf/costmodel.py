@@ -1,0 +1,472 @@
+"""A device-independent cost model of one training step (issue 21): what every aten op of the model reads, writes and
+computes, counted on fake tensors (no memory, no data: the 1.3B recipe at its real microbatch in seconds on a CPU).
+
+For one microbatch, forward and backward (the loss included, in fp32 as autocast runs it), per step and per layer:
+
+- ``matmul_flops``: 2 x M x N x K of every matrix product (mm, addmm, bmm, baddbmm); fused attention (SDPA) as its
+  two products, 4 B H T^2 d forward and twice that backward, the causal mask not subtracted;
+- ``bytes``: every other op's tensor inputs plus outputs (what an unfused kernel reads and writes in HBM);
+- ``kernels``: how many ops launch a kernel (views, which move nothing, are not counted).
+
+The model is built of fake tensors (torch's FakeTensorMode: shapes and dtypes, no storage) and run under CPU autocast
+to bf16, as the recipes' ``precision: amp_bf16`` runs on a GPU: matmuls in bf16, OLMo's norms and the loss in fp32.
+The estimated time on a device is ``matmul_flops / (peak x MATMUL_EFFICIENCY) + bytes / (bandwidth x
+BANDWIDTH_EFFICIENCY)``, with the devices' figures in ``DEVICES``; ratios to ``pre`` are what to read (the
+efficiencies cancel to first order).
+
+Eager counts what an unfused run launches. Compiled (``compiled_layer_cost``) reads what inductor itself fuses: a
+middle block is compiled alone, as ``compile:`` compiles each block, and every kernel of its forward and backward
+graphs is taken from inductor's scheduler with the buffers it reads and writes in memory. Inductor's CPU backend
+lowers it here (no GPU, no Triton on these machines): the graph, its decompositions and the scheduler's fusion rules
+are the ones its GPU backend uses, its code generator is not, so read compiled figures as what inductor's fusion
+leaves to move, not as a Triton kernel's exact traffic.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+from dataclasses import dataclass, field
+from typing import Dict, Optional
+
+import torch
+import torch.nn.functional as F
+from olmo.train import cross_entropy_loss
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from siamesenorm.nn.loss import chunked_cross_entropy_loss
+from siamesenorm.models.build import build_model
+
+__all__ = ["DEVICES", "MATMUL_EFFICIENCY", "BANDWIDTH_EFFICIENCY", "Cost", "count", "step_cost", "estimate_seconds",
+           "total", "table", "to_markdown", "compiled_layer_cost", "with_compiled_blocks"]
+
+#: bf16 dense matmul peak (TFLOP/s) and HBM bandwidth (GB/s) from the vendors' data sheets (SXM parts).
+DEVICES = {
+    "a100-40gb": {"tflops": 312.0, "gbps": 1555.0, "memory_gib": 40},
+    "a100-80gb": {"tflops": 312.0, "gbps": 2039.0, "memory_gib": 80},
+    "h100-80gb": {"tflops": 989.0, "gbps": 3350.0, "memory_gib": 80},
+    "h200": {"tflops": 989.0, "gbps": 4800.0, "memory_gib": 141},
+}
+MATMUL_EFFICIENCY = 0.55  # of peak, for large bf16 GEMMs
+BANDWIDTH_EFFICIENCY = 0.80  # of HBM bandwidth, for elementwise and reduction kernels
+
+_NOT_KERNELS = {"detach", "lift_fresh", "_unsafe_view", "alias"}
+_MATMUL = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+           torch.ops.aten.baddbmm.default}
+
+
+@dataclass
+class Cost:
+    matmul_flops: int = 0
+    bytes: int = 0
+    kernels: int = 0
+    by_op: Dict[str, list] = field(default_factory=dict)  # op name -> [kernels, bytes, flops]
+
+    def add(self, name: str, flops: int, nbytes: int) -> None:
+        self.matmul_flops += flops
+        self.bytes += nbytes
+        self.kernels += 1
+        row = self.by_op.setdefault(name, [0, 0, 0])
+        row[0] += 1
+        row[1] += nbytes
+        row[2] += flops
+
+    def __sub__(self, other: "Cost") -> "Cost":
+        return Cost(self.matmul_flops - other.matmul_flops, self.bytes - other.bytes, self.kernels - other.kernels)
+
+    def scaled(self, factor: float) -> "Cost":
+        return Cost(int(self.matmul_flops * factor), int(self.bytes * factor), int(round(self.kernels * factor)))
+
+    def summary(self) -> Dict[str, int]:
+        return {"matmul_flops": self.matmul_flops, "bytes": self.bytes, "kernels": self.kernels}
+
+
+def _tensors(value):
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
+
+
+def _nbytes(value) -> int:
+    return sum(t.numel() * t.element_size() for t in _tensors(value))
+
+
+class _Counter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.cost = Cost()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name in _NOT_KERNELS or not any(True for _ in _tensors(out)):
+            return out  # aliases, and queries (sizes, devices) that move no data
+        if func in _MATMUL:
+            a, b = (args[1], args[2]) if func in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default) \
+                else (args[0], args[1])
+            flops = 2 * a.numel() * b.shape[-1]  # (..., M, K) @ (..., K, N): 2 M N K per batch
+            self.cost.add(name, flops, 0)
+        elif name.startswith("_scaled_dot_product"):  # one fused kernel: its products, and q, k, v, o (and grads)
+            q, k = args[0], args[1]
+            products = 4 * q.numel() * k.shape[-2]  # Q K^T and P V, 2 B H Tq Tk d each
+            self.cost.add(name, 2 * products if name.endswith("backward") else products,
+                          _nbytes(args) + _nbytes(out))
+        else:
+            self.cost.add(name, 0, _nbytes(args) + _nbytes(kwargs or {}) + _nbytes(out))
+        return out
+
+
+def count(model: torch.nn.Module, input_ids: torch.Tensor, backward: bool = True,
+          autocast: Optional[torch.dtype] = torch.bfloat16) -> Dict[str, Cost]:
+    """{"forward": Cost, "backward": Cost} of one microbatch: OLMo's loss on the shifted tokens, under CPU autocast
+    to ``autocast`` (None: none) as the recipes' amp_bf16 runs it. ``model`` and ``input_ids`` may be fake tensors."""
+    with _Counter() as fwd, torch.autocast("cpu", dtype=autocast or torch.bfloat16, enabled=autocast is not None):
+        logits = model(input_ids).logits
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1), input_ids[:, 1:].flatten())
+    result = {"forward": fwd.cost}
+    if backward:
+        with _Counter() as bwd:
+            loss.backward()
+        result["backward"] = bwd.cost
+    return result
+
+
+def _fake_count(model_cfg, model_type: str, n_layers: int, microbatch: int, seq_len: int,
+                autocast: Optional[torch.dtype]) -> Dict[str, Cost]:
+    """count() on a model of fake tensors: shapes and dtypes only, no memory, no arithmetic."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = dataclasses.replace(model_cfg, n_layers=n_layers, init_device="cpu")
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        model = build_model(cfg, model_type, init_params=False)
+        if autocast is not None:  # FSDP's mixed precision hands the blocks bf16 parameters: no per-step weight casts
+            for param in model.parameters():
+                param.data = param.data.to(autocast)
+        ids = torch.zeros(microbatch, seq_len, dtype=torch.long)
+        return count(model, ids, autocast=autocast)
+
+
+def step_cost(model_cfg, model_type: str, microbatch: int, seq_len: Optional[int] = None,
+              autocast: Optional[torch.dtype] = torch.bfloat16) -> Dict[str, Dict]:
+    """{"step": {forward, backward}, "layer": {forward, backward}, "by_op"} for one microbatch, eager: the whole
+    model, and one layer: a middle block (a 3-layer model less a 2-layer one: the first block widens the embedding
+    and the last fuses the streams, so a middle block is what the other layers cost); with fewer than 3 layers, the
+    whole model less a one-layer model, over the layers between."""
+    seq_len = seq_len or model_cfg.max_sequence_length
+    n = model_cfg.n_layers
+    full = _fake_count(model_cfg, model_type, n, microbatch, seq_len, autocast)
+    if n >= 3:
+        three = full if n == 3 else _fake_count(model_cfg, model_type, 3, microbatch, seq_len, autocast)
+        two = _fake_count(model_cfg, model_type, 2, microbatch, seq_len, autocast)
+        layer = {k: three[k] - two[k] for k in full}
+    elif n == 2:
+        one = _fake_count(model_cfg, model_type, 1, microbatch, seq_len, autocast)
+        layer = {k: full[k] - one[k] for k in full}
+    else:
+        layer = full
+    return {"step": {k: v.summary() for k, v in full.items()}, "layer": {k: v.summary() for k, v in layer.items()},
+            "by_op": {k: v.by_op for k, v in full.items()}}
+
+
+def with_compiled_blocks(eager: Dict, compiled_layer: Dict[str, Dict[str, int]], n_layers: int) -> Dict:
+    """A step's and a layer's cost with every block compiled: each of the ``n_layers`` blocks costs the compiled
+    middle block's bytes and kernels instead of the eager one's (the first block's widening and the last block's
+    stream fusion, outside a middle block, stay counted eager, as do the embedding, final norm and loss, which
+    ``compile:`` leaves eager); matmul FLOPs are unchanged."""
+    layer, step = {}, {}
+    for phase in ("forward", "backward"):
+        e_layer, c_layer = eager["layer"][phase], compiled_layer[phase]
+        layer[phase] = {"matmul_flops": e_layer["matmul_flops"], "bytes": c_layer["bytes"],
+                        "kernels": c_layer["kernels"]}
+        step[phase] = {k: eager["step"][phase][k] + n_layers * (layer[phase][k] - e_layer[k])
+                       for k in ("matmul_flops", "bytes", "kernels")}
+    return {"step": step, "layer": layer}
+
+
+def estimate_seconds(cost: Dict[str, int], device: str) -> float:
+    """Time of ``cost`` (one pass) on ``device`` by the model in the module docstring."""
+    spec = DEVICES[device]
+    return (cost["matmul_flops"] / (spec["tflops"] * 1e12 * MATMUL_EFFICIENCY)
+            + cost["bytes"] / (spec["gbps"] * 1e9 * BANDWIDTH_EFFICIENCY))
+
+
+def total(costs: Dict[str, Dict[str, int]]) -> Dict[str, int]:
+    """Forward plus backward."""
+    return {k: costs["forward"][k] + costs.get("backward", {}).get(k, 0) for k in costs["forward"]}
+
+
+def table(model_cfg, model_types, microbatch: int, seq_len: Optional[int] = None,
+          autocast: Optional[torch.dtype] = torch.bfloat16, compiled: bool = False, progress=None) -> Dict:
+    """Every model type's step and layer costs, eager (and with compiled blocks when ``compiled``), and its estimated
+    step time on each device as a ratio to pre's of the same mode. ``progress(model_type)`` is called before each."""
+    types = ["pre"] + [t for t in model_types if t != "pre"]
+    modes = ("eager", "compiled") if compiled else ("eager",)
+    costs = {}
+    for mt in types:
+        if progress is not None:
+            progress(mt)
+        eager = step_cost(model_cfg, mt, microbatch, seq_len, autocast)
+        costs[mt] = {"eager": eager}
+        if compiled:
+            costs[mt]["compiled"] = with_compiled_blocks(
+                eager, compiled_layer_cost(model_cfg, mt, microbatch, seq_len), model_cfg.n_layers)
+    rows = {}
+    for mt, by_mode in costs.items():
+        rows[mt] = {}
+        for mode in modes:
+            c, base = by_mode[mode], costs["pre"][mode]
+            step, layer = total(c["step"]), total(c["layer"])
+            rows[mt][mode] = {
+                "step": c["step"], "layer": c["layer"],
+                "layer_bytes_ratio": layer["bytes"] / total(base["layer"])["bytes"],
+                "layer_kernels_ratio": layer["kernels"] / total(base["layer"])["kernels"],
+                "time_ratio": {d: estimate_seconds(step, d) / estimate_seconds(total(base["step"]), d)
+                               for d in DEVICES}}
+    return {"microbatch": microbatch, "seq_len": seq_len or model_cfg.max_sequence_length,
+            "precision": str(autocast) if autocast is not None else "fp32", "n_layers": model_cfg.n_layers,
+            "d_model": model_cfg.d_model, "modes": list(modes), "rows": rows, "devices": DEVICES,
+            "efficiency": {"matmul": MATMUL_EFFICIENCY, "bandwidth": BANDWIDTH_EFFICIENCY}}
+
+
+def to_markdown(result: Dict, mode: str = "eager") -> str:
+    devices = list(result["devices"])
+    head = ("| MODEL_TYPE | layer matmul TFLOP | layer GB moved | layer kernels | step GB | "
+            + " | ".join(f"time vs pre, {d}" for d in devices) + " |")
+    lines = [head, "| --- |" + " ---: |" * (4 + len(devices))]
+    for mt, by_mode in result["rows"].items():
+        r = by_mode[mode]
+        layer, step = total(r["layer"]), total(r["step"])
+        lines.append(f"| {mt} | {layer['matmul_flops'] / 1e12:.2f} | {layer['bytes'] / 1e9:.1f} | {layer['kernels']} | "
+                     f"{step['bytes'] / 1e9:.0f} | " + " | ".join(f"{r['time_ratio'][d]:.3f}" for d in devices) + " |")
+    return "\n".join(lines)
+
+
+# ---- compiled blocks ---------------------------------------------------------------------------------------------
+#: Extern kernels that are matrix products (their FLOPs are the eager count's; their bytes are not non-matmul traffic).
+_EXTERN_MATMULS = ("mm", "addmm", "bmm", "baddbmm")
+
+
+def _scheduled_cost(nodes) -> Cost:
+    """Cost of one compiled graph from inductor's scheduler: every fused kernel's reads and writes (the buffers it
+    takes from and leaves in memory, not what stays in registers), extern kernels as eager ops, no-op nodes free."""
+    from torch._inductor.scheduler import ExternKernelSchedulerNode, NopKernelSchedulerNode
+
+    cost = Cost()
+    for node in nodes:
+        if isinstance(node, NopKernelSchedulerNode):
+            continue
+        if isinstance(node, ExternKernelSchedulerNode):
+            kernel = getattr(node.node, "python_kernel_name", None) or ""
+            if not kernel:
+                continue  # MultiOutput and the like: views of an extern kernel's result, no launch
+            name = kernel.rsplit(".", 1)[-1] if not kernel.endswith(".default") else kernel.rsplit(".", 2)[-2]
+            if name in _EXTERN_MATMULS:
+                cost.add(name, 0, 0)
+                continue
+            cost.add(name, 0, node.get_read_write_buffers_sizes())
+        else:
+            cost.add("fused", 0, node.get_read_write_buffers_sizes())
+    return cost
+
+
+@contextlib.contextmanager
+def _recording_inductor_graphs(graphs: list):
+    """Within: every graph inductor lowers appends (is_backward, its Cost) to ``graphs``. Inductor's
+    FX-graph and AOT-autograd caches are off, so every compile is lowered and seen."""
+    from torch._functorch import config as functorch_config
+    from torch._inductor import config as inductor_config
+    from torch._inductor.graph import GraphLowering
+    from torch._inductor.virtualized import V
+
+    original = GraphLowering.codegen
+
+    def codegen(self, *args, **kwargs):
+        out = original(self, *args, **kwargs)
+        with V.set_graph_handler(self):  # the buffers' sizes are looked up in the graph being lowered
+            graphs.append((bool(getattr(self, "is_backward", False)), _scheduled_cost(self.scheduler.nodes)))
+        return out
+
+    GraphLowering.codegen = codegen
+    try:
+        # caches off (a cached graph is not lowered); scalar C++ kernels: the same fusion, compiled faster
+        with inductor_config.patch(fx_graph_cache=False, compile_threads=1, **{"cpp.simdlen": 1}), \
+                functorch_config.patch(enable_autograd_cache=False):
+            yield graphs
+    finally:
+        GraphLowering.codegen = original
+
+
+def _compiled_middle_block(model_cfg, model_type: str, tokens: int) -> Dict[str, Cost]:
+    """{"forward", "backward"} Cost of one middle block (layer 1 of 3: the first block widens the embedding into the
+    streams and the last fuses them) compiled alone by inductor, as ``compile:`` compiles each block, and run forward
+    and backward on one sequence of ``tokens`` tokens at the recipe's width, bf16 parameters under CPU autocast to
+    bf16 (the parameters' values do not matter: only the graphs are read)."""
+    import torch._dynamo
+
+    cfg = dataclasses.replace(model_cfg, n_layers=3, init_device="cpu", max_sequence_length=max(tokens, 1))
+    block = build_model(cfg, model_type, init_params=False).transformer.blocks[1]
+    with torch.no_grad():
+        for param in block.parameters():
+            param.data = torch.randn(param.shape, dtype=torch.bfloat16) * 0.02 + (1 if param.ndim == 1 else 0)
+    torch._dynamo.reset()
+    block.compile(fullgraph=True, dynamic=False)
+    width = cfg.d_model * getattr(block, "n_streams", 1)
+    x = torch.randn(1, tokens, width, dtype=torch.bfloat16, requires_grad=True)
+    graphs: list = []
+    with _recording_inductor_graphs(graphs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = block(x)[0]
+        out.backward(torch.randn_like(out))
+    torch._dynamo.reset()
+    if [backward for backward, _ in graphs] != [False, True]:
+        raise RuntimeError(f"{model_type}: expected one forward and one backward graph from the compiled block, got "
+                           f"{[('backward' if b else 'forward') for b, _ in graphs]} (a graph break?)")
+    return {("backward" if backward else "forward"): cost for backward, cost in graphs}
+
+
+def compiled_layer_cost(model_cfg, model_type: str, microbatch: int, seq_len: Optional[int] = None,
+                        sample_tokens=(64, 128)) -> Dict[str, Dict[str, int]]:
+    """{"forward", "backward"} cost of one middle layer with the block compiled by inductor, at ``microbatch`` x
+    ``seq_len`` tokens: inductor's own fusion of the block's forward and backward graphs, read from its scheduler
+    (each fused kernel's read and write buffers), lowered by inductor's CPU backend on two small token counts and
+    carried linearly to the real count (every non-matmul buffer of a block is per token or per feature; the two
+    samples' kernel counts must agree, so the fusion does not change with size). Matmul FLOPs are not recounted:
+    they are the eager count's."""
+    seq_len = seq_len or model_cfg.max_sequence_length
+    real = microbatch * seq_len
+    t1, t2 = sample_tokens
+    a, b = (_compiled_middle_block(model_cfg, model_type, t) for t in (t1, t2))
+    result = {}
+    for phase in ("forward", "backward"):
+        if a[phase].kernels != b[phase].kernels:
+            raise RuntimeError(f"{model_type} {phase}: inductor fused {t1} and {t2} tokens into different kernel counts "
+                               f"({a[phase].kernels}, {b[phase].kernels}); carry from larger samples")
+        per_token = (b[phase].bytes - a[phase].bytes) / (t2 - t1)
+        result[phase] = {"matmul_flops": 0, "bytes": int(round(a[phase].bytes + per_token * (real - t1))),
+                         "kernels": a[phase].kernels}
+    return result
+
+
+# ---- memory per GPU ------------------------------------------------------------------------------------------------
+#: Left free of a GPU's memory for the CUDA context, NCCL buffers and the caching allocator's fragmentation.
+MEMORY_HEADROOM = 0.10
+
+
+def _fake_saved_bytes(model_cfg, model_type: str, n_layers: int, microbatch: int, seq_len: int,
+                      recompute: bool, loss_chunk_tokens: Optional[int]) -> int:
+    """Bytes autograd keeps for backward after one forward and loss (bf16 parameters, bf16 autocast, fake tensors):
+    distinct storages, the parameters' left out, as OLMo's trainer computes the loss (the shifted logits copied)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    cfg = dataclasses.replace(model_cfg, n_layers=n_layers, init_device="cpu", recompute_cheap=recompute)
+    with FakeTensorMode(allow_non_fake_inputs=False):
+        model = build_model(cfg, model_type, init_params=False)
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        kept: Dict[int, torch.Tensor] = {}
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage._cdata not in params:
+                kept.setdefault(storage._cdata, t)  # held, so that no freed storage's address is reused
+            return t
+
+        ids = torch.zeros(microbatch, seq_len, dtype=torch.long)
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), \
+                torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(ids).logits
+            flat = logits[:, :-1].contiguous().view(-1, logits.shape[-1])
+            labels = ids[:, 1:].reshape(-1)
+            if loss_chunk_tokens:
+                chunked_cross_entropy_loss(flat, labels, reduction="sum", chunk_tokens=loss_chunk_tokens)
+            else:
+                cross_entropy_loss(flat, labels, reduction="sum")
+        return sum(t.untyped_storage().nbytes() for t in kept.values())
+
+
+def memory_per_gpu(model_cfg, model_type: str, microbatch: int, seq_len: Optional[int] = None, gpus: int = 8,
+                   recompute: bool = True, loss_chunk_tokens: Optional[int] = None) -> Dict[str, float]:
+    """GiB per GPU of one training step under FSDP full shard over ``gpus`` GPUs, bf16 mixed precision, AdamW,
+    by parts (a model, not a measurement):
+
+    - ``state``: fp32 parameters, gradients and AdamW's two moments, sharded: 16 bytes x parameters / gpus;
+    - ``gathered``: bf16 parameters and gradients of the two largest FSDP units held whole at once (the unit being
+      computed and the one prefetched): 4 bytes x their parameters;
+    - ``activations``: what autograd keeps after the forward and loss (counted on fake tensors, eager, with
+      ``recompute`` as model.recompute_cheap sets it), and ``activations_checkpointed`` with OLMo's
+      ``activation_checkpointing: whole_layer`` (each block keeps its input; one block's activations are rebuilt
+      at a time, the loss's kept as they are);
+    - ``loss_backward``: the largest transient at the start of backward, the logits' gradient: fp32 gradient of
+      the log-softmax, its input's and the bf16 logits' (10 bytes x tokens x vocabulary), or with
+      ``loss_chunk_tokens`` the bf16 gradient plus one chunk's fp32 ones.
+    """
+    seq_len = seq_len or model_cfg.max_sequence_length
+    n = model_cfg.n_layers
+    tokens = microbatch * seq_len
+    vocab = model_cfg.embedding_size or model_cfg.vocab_size
+    saved = functools.partial(_fake_saved_bytes, model_cfg, model_type, microbatch=microbatch, seq_len=seq_len,
+                              recompute=recompute, loss_chunk_tokens=loss_chunk_tokens)
+    total = saved(n_layers=n)
+    block = saved(n_layers=3) - saved(n_layers=2)  # one middle block
+    outside = total - n * block  # embedding, loss and what the first and last blocks add
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        model = build_model(dataclasses.replace(model_cfg, init_device="cpu"), model_type, init_params=False)
+        n_params = sum(p.numel() for p in model.parameters())
+        units = sorted([sum(p.numel() for p in b.parameters()) for b in model.transformer.blocks]
+                       + [model.transformer.wte.weight.numel()], reverse=True)
+        streams = getattr(model.transformer.blocks[1 if n > 1 else 0], "n_streams", 1)
+    block_input = tokens * model_cfg.d_model * streams * 2  # bf16
+    gib = 1024 ** 3
+    loss_backward = (tokens * vocab * 10 if not loss_chunk_tokens
+                     else tokens * vocab * 2 + min(loss_chunk_tokens, tokens) * vocab * 8)
+    parts = {"state": 16 * n_params / gpus, "gathered": 4 * sum(units[:2]), "activations": total,
+             "activations_checkpointed": outside + n * block_input + block, "loss_backward": loss_backward}
+    result = {k: v / gib for k, v in parts.items()}
+    fixed = result["state"] + result["gathered"] + result["loss_backward"]
+    result["peak"] = fixed + result["activations"]
+    result["peak_checkpointed"] = fixed + result["activations_checkpointed"]
+    result["parameters"] = n_params
+    return result
+
+
+def fits(peak_gib: float, device: str) -> bool:
+    """Whether ``peak_gib`` fits ``device`` with MEMORY_HEADROOM left free."""
+    return peak_gib <= DEVICES[device]["memory_gib"] * (1 - MEMORY_HEADROOM)
+
+
+def memory_table(model_cfg, model_types, microbatch: int, seq_len: Optional[int] = None, gpus: int = 8,
+                 loss_chunk_tokens: Optional[int] = None) -> Dict:
+    """memory_per_gpu for every model type with recompute on and off, and which devices each peak fits."""
+    types = ["pre"] + [t for t in model_types if t != "pre"]
+    rows = {}
+    for mt in types:
+        rows[mt] = {("recompute" if on else "no_recompute"): memory_per_gpu(
+            model_cfg, mt, microbatch, seq_len, gpus, recompute=on, loss_chunk_tokens=loss_chunk_tokens)
+            for on in (True, False)}
+    return {"microbatch": microbatch, "seq_len": seq_len or model_cfg.max_sequence_length, "gpus": gpus,
+            "loss_chunk_tokens": loss_chunk_tokens, "headroom": MEMORY_HEADROOM, "rows": rows,
+            "devices": {d: DEVICES[d]["memory_gib"] for d in DEVICES}}
+
+
+def memory_markdown(result: Dict, devices=("a100-40gb", "a100-80gb", "h100-80gb")) -> str:
+    def where(peak):
+        return ", ".join(d for d in devices if fits(peak, d)) or "none"
+
+    lines = ["| MODEL_TYPE | activations GiB, recompute on / off | peak GiB, recompute on / off | fits (recompute on) "
+             "| fits (recompute off) | peak GiB, whole-layer checkpointing | fits (checkpointing) |",
+             "| --- | ---: | ---: | --- | --- | ---: | --- |"]
+    for mt, r in result["rows"].items():
+        on, off = r["recompute"], r["no_recompute"]
+        lines.append(f"| {mt} | {on['activations']:.1f} / {off['activations']:.1f} | {on['peak']:.1f} / "
+                     f"{off['peak']:.1f} | {where(on['peak'])} | {where(off['peak'])} | "
+                     f"{on['peak_checkpointed']:.1f} | {where(on['peak_checkpointed'])} |")
+    return "\n".join(lines)

@@ -1,0 +1,295 @@
+"""A sweep of methods x learning rates x seeds over one recipe, run a few processes at a time, resumable across
+sessions, with the analyses that need a checkpoint computed right after each run so checkpoints need not be kept.
+
+A plan (YAML, e.g. configs/sweeps/study-cpu.yaml)::
+
+    recipe: configs/study-cpu.yaml     # the recipe every cell trains
+    runs: runs/study                   # checkpoints and full logs (not committed)
+    results: results/study-cpu         # what is kept per cell (committed): run.json, metrics.jsonl, analyses
+    overrides: []                      # --key=value added to every cell
+    groups:                            # cells = the product of each group's lists
+      - {methods: [pre, hybrid_pre], learning_rates: [1e-2, 1e-1], seeds: [1]}
+      - {methods: [hybrid_pre], learning_rates: [1e-2], seeds: [1], knobs: {siamese_depth_scaling: false}}
+      - {methods: [pre], learning_rates: [1e-2], seeds: [1], knobs: {n_layers: 4, d_model: 128}}
+      - {methods: [pre], learning_rates: [1e-2], seeds: [1], settings: {scheduler.t_warmup: 0}}
+      - {methods: [hybrid_pre], learning_rates: [1e-2], seeds: [1], settings: {max_duration: 4000},
+         analyse_every: 500}
+
+``knobs`` are model fields (``--model.KEY=VALUE``), ``settings`` any other config path (``--KEY=VALUE``); both name
+the cell. ``analyse_every: N`` keeps a checkpoint every N steps and writes ``analysis-steps.json`` (every analysis
+at each of them) beside ``analysis.json``: how the streams evolve over training.
+
+A cell is done when ``{results}/{cell}/run.json`` says finished or diverged (both are final results); any other
+cell is (re)started with the same command, which resumes from its latest checkpoint (``try_load_latest_save``).
+Each finished cell gets ``analysis.json`` (hidden-state magnitudes, stream ratios, fusion weights and logit lens,
+the depth probe: each tool's result, or why it does not apply), computed from its last checkpoint on the
+validation split; then the checkpoints are deleted unless ``--keep-checkpoints``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import logging
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from omegaconf import OmegaConf as om
+
+from siamesenorm.models.names import model_type_names
+from siamesenorm.run.records import RECORD_NAME
+
+
+from siamesenorm.run.stability import EXIT_DIVERGED
+
+log = logging.getLogger(__name__)
+
+ROOT = Path(__file__).resolve().parents[2]
+FINAL = ("finished", "diverged")
+KEPT = (RECORD_NAME, "metrics.jsonl", "config.yaml")
+
+
+@dataclass(frozen=True)
+class Cell:
+    model_type: str
+    learning_rate: float
+    seed: int
+    knobs: tuple = ()  # ((model field, value), ...)
+    settings: tuple = ()  # ((config path, value), ...)
+    analyse_every: Optional[int] = None  # keep and analyse a checkpoint every this many steps
+
+    @property
+    def name(self) -> str:
+        changes = "".join(f"-{k}={_fmt(v)}" for k, v in self.knobs + self.settings)
+        return f"{self.model_type}{changes}-lr{_fmt(self.learning_rate)}-s{self.seed}"
+
+    def overrides(self) -> List[str]:
+        every = [] if self.analyse_every is None else [
+            f"--save_interval_unsharded={self.analyse_every}", "--save_num_unsharded_checkpoints_to_keep=-1"]
+        return ([f"--optimizer.learning_rate={self.learning_rate}", f"--seed={self.seed}"]
+                + [f"--model.{k}={_fmt(v)}" for k, v in self.knobs]
+                + [f"--{k}={_fmt(v)}" for k, v in self.settings] + every)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+@dataclass
+class Plan:
+    recipe: str
+    runs: str
+    results: str
+    cells: List[Cell]
+    overrides: List[str] = field(default_factory=list)
+    analysis_sequences: int = 32
+    analysis_tokens: Optional[str] = None  # token files for the analyses; None: the recipe's lm evaluator's
+
+
+class PlanError(ValueError):
+    """A sweep plan that cannot be run as written; the message names the file and the field."""
+
+
+_VALUE = re.compile(r"[A-Za-z0-9_.+-]{1,64}")  # what a knob or setting may be: it becomes part of a folder name
+
+
+def _plan_list(path, where: str, value, kind, check=None) -> list:
+    if not isinstance(value, list) or not value:
+        raise PlanError(f"{path}: {where} must be a non-empty list")
+    for item in value:
+        if isinstance(item, bool) or not isinstance(item, kind) or (check and not check(item)):
+            raise PlanError(f"{path}: {where} holds {item!r}; see the plan format in siamesenorm/studies/sweep.py")
+    return value
+
+
+def load_plan(path: str | Path) -> Plan:
+    """The plan at ``path``, every value checked before any folder name is made from it (PlanError, one line)."""
+    known = set(model_type_names())
+    extra = bool(os.environ.get("SIAMESENORM_VARIANTS"))  # variant files outside the package: named plainly
+
+    def model_type(name: str) -> bool:
+        return name in known or (extra and re.fullmatch(r"[a-z][a-z0-9_]{0,63}", name) is not None)
+
+    try:
+        raw = om.to_container(om.load(str(path)), resolve=False)
+    except OSError:
+        raise
+    except Exception as e:  # YAML and omegaconf errors are many classes
+        raise PlanError(f"{path}: not a readable YAML plan ({type(e).__name__})") from None
+    if not isinstance(raw, dict):
+        raise PlanError(f"{path}: a plan is a mapping with recipe, runs, results and groups")
+    for key in ("recipe", "runs", "results"):
+        if not isinstance(raw.get(key), str) or not raw[key]:
+            raise PlanError(f"{path}: {key} must be a path")
+    groups = raw.get("groups")
+    _plan_list(path, "groups", groups, dict)
+    cells: List[Cell] = []
+    for n, group in enumerate(groups, 1):
+        where = f"group {n}"
+        methods = _plan_list(path, f"{where} methods", group.get("methods"), str, model_type)
+        rates = _plan_list(path, f"{where} learning_rates", group.get("learning_rates"), (int, float),
+                           lambda v: 0 < v < 10)
+        seeds = _plan_list(path, f"{where} seeds", group.get("seeds", [1]), int, lambda v: 0 <= v < 2**31)
+        for part in ("knobs", "settings"):
+            table = group.get(part) or {}
+            if not isinstance(table, dict) or not all(
+                    isinstance(k, str) and _VALUE.fullmatch(k) and isinstance(v, (str, int, float, bool))
+                    and _VALUE.fullmatch(str(v)) for k, v in table.items()):
+                raise PlanError(f"{path}: {where} {part} must map names to plain values (letters, digits, ._+-)")
+        every = group.get("analyse_every")
+        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+            raise PlanError(f"{path}: {where} analyse_every must be a positive number of steps")
+        knobs = tuple(sorted((group.get("knobs") or {}).items()))
+        settings = tuple(sorted((group.get("settings") or {}).items()))
+        for mt, lr, seed in itertools.product(methods, rates, seeds):
+            cell = Cell(mt, float(lr), int(seed), knobs, settings, None if every is None else int(every))
+            if cell not in cells:
+                cells.append(cell)
+    return Plan(raw["recipe"], raw["runs"], raw["results"], cells, list(raw.get("overrides") or []),
+                int(raw.get("analysis_sequences", 32)), raw.get("analysis_tokens"))
+
+
+def status(plan: Plan, cell: Cell) -> Optional[str]:
+    path = Path(plan.results) / cell.name / RECORD_NAME
+    try:
+        status = json.loads(path.read_text()).get("status")
+    except (OSError, ValueError, AttributeError, RecursionError):  # absent, or cut by a kill while it was copied
+        return None                                                # (or not a record): run the cell
+    return status if isinstance(status, str) else None
+
+
+def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
+    """Train one cell (resuming if it was cut off), keep its results, analyse it; returns its final status."""
+    run_dir = Path(plan.runs) / cell.name
+    out = Path(plan.results) / cell.name
+    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), plan.recipe, f"--save_folder={run_dir}",
+           "--try_load_latest_save", *plan.overrides, *cell.overrides()]
+    env = {**os.environ, "MODEL_TYPE": cell.model_type, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "console.log", "a") as console:
+        code = _run_child(cmd, env, console)
+    record_path = run_dir / RECORD_NAME
+    record = json.loads(record_path.read_text()) if record_path.is_file() else {}
+    if code not in (0, EXIT_DIVERGED) or record.get("status") not in FINAL:
+        raise RuntimeError(f"{cell.name}: training exited {code} (status {record.get('status')}); see "
+                           f"{run_dir / 'console.log'}")
+    out.mkdir(parents=True, exist_ok=True)
+    if record["status"] == "finished":
+        analyses = analyse(run_dir, plan.analysis_sequences, plan.analysis_tokens)
+        (out / "analysis.json").write_text(json.dumps(analyses, indent=1) + "\n")
+        if cell.analyse_every is not None:
+            steps = {}
+            for ckpt in sorted(run_dir.glob("step*-unsharded"), key=lambda p: int(p.name[4:].split("-")[0])):
+                steps[ckpt.name[4:].split("-")[0]] = analyse(ckpt, plan.analysis_sequences, plan.analysis_tokens)
+            (out / "analysis-steps.json").write_text(json.dumps(steps, indent=1) + "\n")
+    for name in KEPT:  # the record last: its presence marks the cell done
+        if name != RECORD_NAME and (run_dir / name).is_file():
+            shutil.copy2(run_dir / name, out / name)
+    shutil.copy2(record_path, out / RECORD_NAME)
+    if not keep_checkpoints:
+        for path in list(run_dir.glob("step*")) + list(run_dir.glob("latest*")):
+            shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()
+    return record["status"]
+
+
+_children: set = set()
+_children_lock = threading.Lock()
+_stopping = threading.Event()
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the sweep dies, even by SIGKILL (Linux prctl PR_SET_PDEATHSIG), so
+    no training process outlives its sweep."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
+    except OSError:  # not Linux: stop_children on SIGTERM / SIGINT still covers the sweep's own exits
+        pass
+
+
+def _run_child(cmd: List[str], env: Dict[str, str], console) -> int:
+    if _stopping.is_set():
+        raise RuntimeError("the sweep is stopping")
+    proc = subprocess.Popen(cmd, env=env, stdout=console, stderr=subprocess.STDOUT, preexec_fn=_die_with_parent)
+    with _children_lock:
+        _children.add(proc)
+    try:
+        return proc.wait()
+    finally:
+        with _children_lock:
+            _children.discard(proc)
+
+
+def stopping() -> bool:
+    return _stopping.is_set()
+
+
+def stop_children(signum: int = signal.SIGTERM) -> None:
+    """Pass ``signum`` to every training process of this sweep and start no new one (a run records "stopped" and
+    resumes on the next sweep)."""
+    _stopping.set()
+    with _children_lock:
+        for proc in list(_children):
+            proc.send_signal(signum)
+
+
+def analyse(run_dir: Path, max_sequences: int, tokens: Optional[str] = None) -> Dict:
+    """Every checkpoint analysis of siamesenorm.analysis.probes on the run's last checkpoint and validation split."""
+    from siamesenorm.analysis import probes as analysis
+
+    model, cfg = analysis.load_model(run_dir)
+    batch = analysis.eval_tokens(cfg, tokens=tokens, max_sequences=max_sequences)
+    tools = {
+        "magnitudes": lambda: analysis.hidden_magnitudes(model, batch),
+        "stream_ratios": lambda: analysis.stream_ratios(model),
+        "lens": lambda: analysis.fusion_and_lens(model, batch),
+        "depth": lambda: analysis.depth_probe(model, batch),
+        "massive": lambda: analysis.massive_activations(model, batch),
+    }
+    results: Dict = {"eval_sequences": int(batch.shape[0])}
+    for name, tool in tools.items():
+        try:
+            results[name] = {"applies": True, **tool()}
+        except analysis.NotApplicable as why:
+            results[name] = {"applies": False, "reason": str(why)}
+    return results
+
+
+def run_plan(plan: Plan, parallel: int = 2, only: Optional[List[str]] = None, keep_checkpoints: bool = False,
+             echo=print) -> Dict[str, str]:
+    """Run every cell not done yet, ``parallel`` at a time; returns {cell: final status or error}."""
+    todo = [c for c in plan.cells if status(plan, c) not in FINAL and (not only or c.name in only)]
+    done = len(plan.cells) - len([c for c in plan.cells if status(plan, c) not in FINAL])
+    echo(f"sweep: {len(plan.cells)} cells, {done} done, {len(todo)} to run, {parallel} at a time")
+    outcomes: Dict[str, str] = {}
+    started = time.time()
+
+    def one(cell: Cell) -> None:
+        if _stopping.is_set():
+            return
+        t0 = time.time()
+        try:
+            outcomes[cell.name] = run_cell(plan, cell, keep_checkpoints)
+        except Exception as err:  # a failed cell is reported; the others go on
+            outcomes[cell.name] = f"error: {err}"
+        echo(f"[{len(outcomes)}/{len(todo)}] {cell.name}: {outcomes[cell.name]} ({time.time() - t0:.0f} s; "
+             f"{(time.time() - started) / 60:.1f} min in all)")
+
+    with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
+        list(pool.map(one, todo))
+    return outcomes
