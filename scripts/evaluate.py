@@ -3,7 +3,7 @@
   python scripts/evaluate.py --help
 """
 
-from siamesenorm.cli import evaluate_main
+from siamesenorm.cli.commands import evaluate_main
 
 if __name__ == "__main__":
     evaluate_main()

@@ -3,7 +3,7 @@
   python scripts/export_hf.py --help
 """
 
-from siamesenorm.cli import export_hf_main
+from siamesenorm.cli.commands import export_hf_main
 
 if __name__ == "__main__":
     export_hf_main()

@@ -3,7 +3,7 @@
   python scripts/generate.py --help
 """
 
-from siamesenorm.cli import generate_main
+from siamesenorm.cli.commands import generate_main
 
 if __name__ == "__main__":
     generate_main()

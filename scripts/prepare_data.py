@@ -5,7 +5,7 @@
   python scripts/prepare_data.py --train-tokenizer 2048 data/austen.jsonl.gz --output data/tokenizer-austen-2k.json
 """
 
-from siamesenorm.cli import prepare_data_main
+from siamesenorm.cli.commands import prepare_data_main
 
 if __name__ == "__main__":
     prepare_data_main()

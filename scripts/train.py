@@ -4,7 +4,7 @@
   python scripts/train.py configs/tiny-cpu.yaml --dry-run
 """
 
-from siamesenorm.cli import train_main
+from siamesenorm.cli.commands import train_main
 
 if __name__ == "__main__":
     train_main()

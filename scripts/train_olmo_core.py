@@ -4,7 +4,7 @@
   MODEL_TYPE=hybrid_pre torchrun --nproc_per_node 2 scripts/train_olmo_core.py configs/tiny-cpu.yaml ...
 """
 
-from siamesenorm.cli import olmo_core_train_main
+from siamesenorm.cli.commands import olmo_core_train_main
 
 if __name__ == "__main__":
     olmo_core_train_main()

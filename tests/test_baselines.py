@@ -1,4 +1,4 @@
-"""One property per added variant that a wrong implementation of its definition would break (issue 5)."""
+"""One property per added variant that a wrong implementation of its definition would break."""
 
 import math
 

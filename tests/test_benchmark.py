@@ -86,14 +86,14 @@ def test_recompute_is_a_config_field_that_cuts_activation_memory(model_type):
 def test_breakdown_charges_every_saved_byte_to_a_place():
     """The breakdown adds up to activation_bytes, pre's blocks save nothing outside OLMo's modules, and hc's depth
     connection shows up where its bytes are saved."""
-    from siamesenorm.perf.benchmark import _loss, activation_breakdown
+    from siamesenorm.perf.benchmark import activation_breakdown, step_loss
 
     cfg = tiny_config()
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     for model_type in ("pre", "hc"):
         model = build_model(cfg, model_type).train()
         places = activation_breakdown(model, ids)
-        total = activation_bytes(model, lambda: _loss(model, ids))
+        total = activation_bytes(model, lambda: step_loss(model, ids))
         assert sum(places.values()) * ids.numel() * cfg.d_model * 4 * cfg.n_layers == pytest.approx(total)
         own = {k: v for k, v in places.items() if k.startswith("block:")}
         if model_type == "pre":

@@ -246,7 +246,7 @@ def test_the_stored_recipe_keys_are_the_config_s_fields():
 
 _TYPO_IMPORTS = """
 import sys
-from siamesenorm import cli
+from siamesenorm.cli import commands as cli
 try:
     getattr(cli, sys.argv[1])(sys.argv[2:])
 except SystemExit as e:
@@ -285,3 +285,42 @@ def test_known_keys_and_list_items_pass_the_light_check():
     assert unknown_key("configs/tiny-cpu.yaml", ["--save_overwrite", "--model.siamese_depth_scaling=false",
                                                    "--optimizer.learning_rate=1", "--evaluators.0.label=x",
                                                    "--model.n_layers.x=1", "positional"]) is None
+
+
+# ---- the front door: python -m siamesenorm COMMAND, console scripts, thin shims --------------------------------------
+def test_every_command_is_a_console_script_and_has_its_shim():
+    import tomllib
+
+    from siamesenorm.cli import COMMANDS
+
+    scripts = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["scripts"]
+    assert scripts == {"siamesenorm": "siamesenorm.cli:main",
+                       **{f"siamesenorm-{c}": f"siamesenorm.cli:{c.replace('-', '_')}" for c in COMMANDS}}
+    shims = {p: p.read_text() for p in [*(ROOT / "scripts").glob("*.py"), *(ROOT / "scripts").glob("*/*.py")]}
+    for command, (module, function, _) in COMMANDS.items():
+        calling = [p for p, text in shims.items() if f"from siamesenorm.cli.{module} import {function}" in text]
+        assert calling, f"no scripts/ shim runs {command}"
+    for path, text in shims.items():  # thin: a docstring, the import, the call
+        assert "sys.path" not in text, path
+    assert not [p for p in (ROOT / "siamesenorm").rglob("*.py") if "sys.path.insert" in p.read_text()]
+
+
+@pytest.mark.parametrize("command", ["train", "sweep", "make-tables", "generate", "gpu-check", "compare-models"])
+def test_the_front_door_answers_help_without_torch_and_names_the_command(command):
+    code = ("import runpy, sys\nsys.argv = ['siamesenorm', sys.argv[1], '--help']\ntry:\n"
+            "    runpy.run_module('siamesenorm', run_name='__main__')\nexcept SystemExit as e:\n    code = e.code\n"
+            "print('HEAVY', code, ','.join(m for m in ('torch', 'olmo') if m in sys.modules), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code, command], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.stderr.strip().splitlines()[-1].rstrip() in ("HEAVY 0", "HEAVY None"), proc.stderr[-2000:]
+    assert proc.stdout.startswith("usage: ") and proc.stdout.strip(), proc.stdout[:300]
+
+
+def test_the_front_door_lists_commands_and_refuses_an_unknown_one_in_one_line():
+    from siamesenorm.cli import COMMANDS
+
+    listed = subprocess.run([sys.executable, "-m", "siamesenorm", "--help"], cwd=ROOT, capture_output=True,
+                            text=True, timeout=60)
+    assert listed.returncode == 0 and all(f"  {c} " in listed.stdout for c in COMMANDS)
+    typo = subprocess.run([sys.executable, "-m", "siamesenorm", "trian"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert typo.returncode == 2 and typo.stderr.count("\n") == 1 and "did you mean train?" in typo.stderr

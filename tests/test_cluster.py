@@ -1,4 +1,4 @@
-"""The cluster path (issue 11): wandb, preemption and rerun, safe checkpoint loading, resume checks, data checks,
+"""The cluster path: wandb, preemption and rerun, safe checkpoint loading, resume checks, data checks,
 and one-line errors. Runs are plain ``python scripts/train.py`` (a process group of one) unless torchrun matters."""
 
 import json
@@ -233,7 +233,7 @@ def test_truncated_or_misread_token_files_are_refused_against_the_manifest(tmp_p
     (["--no_such_field=1"], "Key 'no_such_field' not in 'SiameseTrainConfig'"),
     (["--compile.fullgraph=true", "--distributed_strategy=fsdp", "--fsdp.use_orig_params=false"],
      "compile: with FSDP needs fsdp.use_orig_params: true"),
-    # issue 20: each accepted, or a traceback, before
+    # each was accepted, or a traceback, before the boundary checks
     (["--scheduler.t_warmup=-5"], "scheduler.t_warmup must be >= 0 (got -5)"),
     (["--scheduler.alpha_f=nan"], "scheduler.alpha_f is nan: every number in the config must be finite"),
     (["--scheduler.alpha_f=1.5"], "scheduler.alpha_f must be in [0, 1] (got 1.5)"),

@@ -74,7 +74,7 @@ GPU_RECIPES = sorted(p.relative_to(ROOT).as_posix() for p in [*ROOT.glob("config
 
 
 def test_every_gpu_recipe_compiles_its_blocks():
-    """The GPU recipes run compiled (issue 21): every block, whole graphs, static shapes; the CPU configs stay
+    """The GPU recipes run compiled: every block, whole graphs, static shapes; the CPU configs stay
     eager (a compile costs minutes on 2 cores and buys nothing there)."""
     from siamesenorm.run.recipe import load_config
 

@@ -1,4 +1,4 @@
-"""The device-independent cost model (issue 21): counts against a hand count, and the properties it must show."""
+"""The device-independent cost model: counts against a hand count, and the properties it must show."""
 
 import dataclasses
 

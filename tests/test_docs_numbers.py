@@ -1,4 +1,4 @@
-"""Numbers in the docs come from runs, not typing (issue 41): every quickstart figure the README and docs/ quote is
+"""Numbers in the docs come from runs, not typing: every quickstart figure the README and docs/ quote is
 marked ``88.28<!-- quickstart hybrid_pre val_perplexity -->`` (the comment is invisible in rendered Markdown), and
 this test trains the quickstart's run for each MODEL_TYPE quoted, exactly as scripts/quickstart.sh does, and
 compares. CPU results are deterministic on one machine; across machines the order of float sums in torch's CPU

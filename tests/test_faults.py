@@ -1,4 +1,4 @@
-"""Faults and second processes (issue 20): one run per save folder, a sweep that leaves no orphan, a finished run
+"""Faults and second processes: one run per save folder, a sweep that leaves no orphan, a finished run
 that a rerun leaves alone, a full disk, token files changed under a run, cut records. Tiny runs of the tiny recipe."""
 
 import json
@@ -248,7 +248,7 @@ def test_make_tables_output_that_is_a_file_is_one_line(tmp_path):
     assert target.read_text() == "keep me\n"
 
 
-# ---- a cluster's first minutes (issue 22's one-line checks) ---------------------------------------------------------
+# ---- a cluster's first minutes (one-line checks) ---------------------------------------------------------------------
 def test_a_corpus_smaller_than_one_global_batch_is_one_line_before_the_model(tmp_path):
     small = learnable_tokens(tmp_path / "small.npy", n_tokens=32 * 5)  # 5 sequences of SMALL's 32 tokens
     for dry in ([], ["--dry-run"]):

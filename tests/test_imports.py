@@ -84,12 +84,13 @@ def test_no_import_cycle_in_the_package():
 # Where an import may sit inside a function instead of at the module's top (docs/architecture.md, "Imports").
 # 1. The light modules: what `--help`, the console, the sweep's parent process, the Slurm writer, the GPU check's
 #    environment report and OLMo's hook import. They must not load torch or ai2-olmo (measured: 0.03-0.15 s to import
-#    each against 5-15 s for siamesenorm.ai2_olmo.train or siamesenorm.olmo_core.train), so their heavy imports wait in the
-#    function that needs them.
-LIGHT = {"siamesenorm", "siamesenorm.models.olmo_hook", "siamesenorm.models.names", "siamesenorm.cli", "siamesenorm.run.recipe_keys",
-         "siamesenorm.run.console",
-         "siamesenorm.run.data", "siamesenorm.cluster.gpucheck", "siamesenorm.olmo_core", "siamesenorm.models.olmo_patch",
-         "siamesenorm.run.records", "siamesenorm.cluster.slurm", "siamesenorm.run.stability", "siamesenorm.studies.sweep"}
+#    each against 5-15 s for siamesenorm.ai2_olmo.train or siamesenorm.olmo_core.train), so their heavy imports wait
+#    in the function that needs them. Every command module (siamesenorm/cli/) is one.
+_COMMANDS = sorted(f"siamesenorm.cli.{p.stem}" for p in (PACKAGE / "cli").glob("*.py") if p.stem != "__init__")
+LIGHT = {"siamesenorm", "siamesenorm.cli", *_COMMANDS, "siamesenorm.models.olmo_hook", "siamesenorm.models.names",
+         "siamesenorm.models.olmo_patch", "siamesenorm.run.recipe_keys", "siamesenorm.run.console",
+         "siamesenorm.run.data", "siamesenorm.run.records", "siamesenorm.run.stability", "siamesenorm.olmo_core",
+         "siamesenorm.cluster.gpucheck", "siamesenorm.cluster.slurm", "siamesenorm.studies.sweep"}
 # 2. Third-party modules one feature needs (export, figures, online logging, data preparation, the second framework)
 #    and torch's private or version-dependent internals (imported where used, so a torch without them fails that
 #    feature with its own message, not every import of the package).
@@ -165,8 +166,9 @@ FOLDER_ORDER = {
     "perf": _BASE,
     "cluster": _BASE | {"perf", "ai2_olmo"},
     "studies": _BASE | {"analysis"},
-    "cli": _BASE | {"ai2_olmo", "olmo_core", "export", "analysis", "perf", "cluster", "studies"},
+    "cli": _BASE | {"ai2_olmo", "olmo_core", "export", "analysis", "perf", "cluster", "studies", "siamesenorm"},
     "siamesenorm": {"models", "run"},  # the package's __init__: the OLMo hook and the console's warning filter
+    "__main__": {"cli"},  # python -m siamesenorm
 }
 
 
@@ -213,3 +215,36 @@ def test_the_order_check_finds_an_import_against_the_order(tmp_path):
     breaks = _order_breaks(graph, modules)
     assert [b.split(":")[0] for b in breaks] == ["siamesenorm.olmo_core.train imports siamesenorm.ai2_olmo.train",
                                                  "siamesenorm.run.folder imports siamesenorm.ai2_olmo.train"]
+
+
+def _private_imports(modules):
+    """(module, name) for every `from <package module> import _private` (a name another module may rename freely)."""
+    found = []
+    for name, path in sorted(modules.items()):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("siamesenorm")):
+                found += [(name, a.name) for a in node.names if a.name.startswith("_") and not a.name.startswith("__")]
+    return found
+
+
+def test_no_module_imports_another_module_s_private_name(tmp_path):
+    assert _private_imports(_modules()) == []
+    (tmp_path / "m.py").write_text("from siamesenorm.perf.benchmark import _loss\n")
+    assert _private_imports({"p.m": tmp_path / "m.py"}) == [("p.m", "_loss")]
+
+
+def test_code_and_docs_give_reasons_not_issue_numbers():
+    """An issue number means nothing to a reader of the code or the docs; the reason is said instead."""
+    import re
+
+    root = PACKAGE.parent
+    tracked = subprocess.run(["git", "ls-files", "siamesenorm", "scripts", "tests", "docs", "configs", "README.md"],
+                             cwd=root, capture_output=True, text=True).stdout.split()
+    if not tracked:  # not a git checkout (an sdist): the folders as they are
+        tracked = [str(p.relative_to(root)) for d in ("siamesenorm", "scripts", "tests", "docs", "configs")
+                   for p in (root / d).rglob("*") if p.is_file()] + ["README.md"]
+    pattern = re.compile(r"\b[Ii]ssues? #?\d+")
+    hits = [f"{f}:{i}" for f in tracked if f.endswith((".py", ".md", ".yaml", ".sh", ".toml")) and (root / f).is_file()
+            for i, line in enumerate((root / f).read_text(errors="replace").splitlines(), 1)
+            if pattern.search(line) and "pattern = re.compile" not in line]
+    assert hits == []

@@ -56,7 +56,7 @@ def test_sweep_runs_two_cells_then_skips_them(tmp_path):
 def test_v2_plan_groups_knobs_settings_and_checkpoints_over_time(tmp_path):
     """The second sweep's plan features on tiny cells: model shapes as knobs, a schedule setting, a cell analysed at
     several checkpoints; then the v2 report reads depth, warmup, over-time and massive-activation numbers."""
-    from siamesenorm.studies import depth_and_dynamics as study_v2
+    from siamesenorm.studies import depth_and_dynamics
 
     data = learnable_tokens(tmp_path / "train.npy")
     plan = tmp_path / "plan.yaml"
@@ -77,7 +77,7 @@ def test_v2_plan_groups_knobs_settings_and_checkpoints_over_time(tmp_path):
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
     steps = json.loads((tmp_path / "results" / loaded.cells[1].name / "analysis-steps.json").read_text())
     assert sorted(steps, key=int) == ["4", "8"] and all(a["lens"]["applies"] for a in steps.values())
-    summary = study_v2.report(tmp_path / "results", base_depth=2, base_warmup=2, base_steps=6)
+    summary = depth_and_dynamics.report(tmp_path / "results", base_depth=2, base_warmup=2, base_steps=6)
     assert summary["depth"]["pre"]["4"]["width"] == 32 and summary["depth"]["pre"]["4"]["ppl"]["n"] == 1
     assert summary["depth"]["pre"]["4"]["quarter_pruned"][0]["removed"] == 1
     fusion = summary["over_time"][loaded.cells[1].name]

@@ -1,4 +1,4 @@
-"""Crafted checkpoints (issue 20): each attack class an audit demonstrated against the old loader, through the entry
+"""Crafted checkpoints: each attack class an audit demonstrated against the old loader, through the entry
 points a user runs. The payloads really run when loaded without checks (test_the_chain_runs_when_unpickled_freely),
 so a test that does not see the marker is evidence."""
 
@@ -281,7 +281,7 @@ def test_yaml_aliases_and_oversized_configs_are_refused(tmp_path):
     check_saved_yaml(plain)  # accepted
 
 
-# ---- 4. issue 39: one archive, no re-view, a bounded checker, one-line refusals -------------------------------------
+# ---- 4. one archive, no re-view, a bounded checker, one-line refusals -------------------------------------
 def _stored_zip(members: dict) -> bytes:
     """A zip archive of ``members`` (name -> bytes) as Python's zipfile writes it: stored, no end-record zip64."""
     out = io.BytesIO()
@@ -546,7 +546,7 @@ def _crafted_export(source: Path, tmp_path: Path, case: str) -> tuple:
 def test_a_crafted_export_is_refused_in_one_line_before_anything_is_built(tmp_path, exported, case):
     folder, words = _crafted_export(exported, tmp_path, case)
     rss, out = peak_rss_mb(f"import sys; sys.argv = ['generate.py', {str(folder)!r}, '--prompt', 'It is']\n"
-                           "from siamesenorm.cli import generate_main\ntry:\n    generate_main()\n"
+                           "from siamesenorm.cli.commands import generate_main\ntry:\n    generate_main()\n"
                            "except SystemExit as e: print('EXIT', e.code)")
     assert "EXIT 2" in out, out[-2000:]
     line = next(x for x in out.splitlines() if x.startswith("error: "))

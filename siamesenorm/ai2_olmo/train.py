@@ -3,8 +3,8 @@
 ``main`` orchestrates what OLMo's own scripts/train.py does (the ai2-olmo wheel does not ship it), plus:
 - the model is built with ``siamesenorm.build_model`` (MODEL_TYPE env var > config field), and the resolved type is
   written into the config that every checkpoint saves;
-- every check of runconfig.validate_run and the token files before step 1 (``--dry-run`` runs the same checks);
-- the save folder's lifecycle (runfolder.py): a rerun of the same command resumes, restarts a failed start, or says
+- every check of run/recipe.py's validate_run and the token files before step 1 (``--dry-run`` runs the same checks);
+- the save folder's lifecycle (run/folder.py): a rerun of the same command resumes, restarts a failed start, or says
   what to pass; a resume must match the checkpoint's model;
 - checkpoints load with torch's weights_only=True and an allow-list (checkpoints.py);
 - a divergence guard, a loss-spike counter (stability.py), a metrics file and a run record (records.py); a record

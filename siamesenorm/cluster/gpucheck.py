@@ -1,4 +1,4 @@
-"""The GPU check (issue 22): the paths only a GPU runs, in minutes, with a Markdown report.
+"""The GPU check: the paths only a GPU runs, in minutes, with a Markdown report.
 
 On the shipped Austen corpus tokenized with the recipe's tokenizer: the preflight of the recipe with its timed run
 (tokens/s, MFU, peak memory on this GPU); each seed MODEL_TYPE trained for ``steps`` steps through scripts/train.py

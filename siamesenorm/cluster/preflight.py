@@ -1,4 +1,4 @@
-"""Before a long run: will it fit, how long will it take, is everything in place (issue 22).
+"""Before a long run: will it fit, how long will it take, is everything in place.
 
 ``preflight(cfg, model_type, nodes, gpus_per_node, gpu)`` returns a list of checks, each one line with a status
 (``ok``, ``warn``, ``FAIL``, ``skip``: could not be checked on this machine) and what to change, and a dict of
@@ -28,7 +28,7 @@ import torch.distributed as dist
 from olmo.exceptions import OLMoConfigurationError
 
 from siamesenorm.perf import costmodel
-from siamesenorm.perf.benchmark import _loss, _peak_flops, flops_per_token
+from siamesenorm.perf.benchmark import step_loss, peak_flops, flops_per_token
 from siamesenorm.models.config import validate_model_config
 from siamesenorm.models.build import build_model
 from siamesenorm.run.recipe import RunError, SiameseTrainConfig, check_batch_split, expand_paths
@@ -134,7 +134,7 @@ def timed_run(cfg: SiameseTrainConfig, model_type: str, steps: int = 5, warmup: 
 
         def step():
             with torch.autocast(device, dtype=torch.bfloat16, enabled=bf16):
-                loss = _loss(model, ids)
+                loss = step_loss(model, ids)
             loss.backward()
             optim.step()
             optim.zero_grad(set_to_none=True)
@@ -153,7 +153,7 @@ def timed_run(cfg: SiameseTrainConfig, model_type: str, steps: int = 5, warmup: 
         if device == "cuda":
             result["peak_gib"] = torch.cuda.max_memory_allocated() / GIB
         fpt = flops_per_token(model, ids[:1, : min(seq, 256)])
-        peak = _peak_flops()
+        peak = peak_flops()
         result["flops_per_token"] = fpt
         result["mfu"] = fpt * result["tokens_per_s"] / peak if peak else None
     except torch.cuda.OutOfMemoryError:

@@ -1,4 +1,4 @@
-"""A SLURM batch script for a multi-node run (issue 22): one task per node, each a torchrun with c10d rendezvous on
+"""A SLURM batch script for a multi-node run: one task per node, each a torchrun with c10d rendezvous on
 the job's first node, through scripts/launch.py (so the job's exit status says finished / diverged / failed).
 
 What a node failure does: srun's ``--kill-on-bad-exit=1`` ends every node's task as soon as one fails, so the whole

@@ -34,9 +34,9 @@ from olmo.tokenizer import Tokenizer
 from olmo.train import Trainer
 
 from siamesenorm.run.checkpoints import checkpoint_folder, load_model
-from siamesenorm.export.hf import _is_llama_export, is_export, load_for_generation
+from siamesenorm.export.hf import is_llama_export, is_export, load_for_generation
 from siamesenorm.run.records import DOWNSTREAM_LABELS, RECORD_NAME, check_record, load_json_file, split_eval_metrics
-from siamesenorm.run.recipe import SiameseTrainConfig, _manifest_for, check_token_files
+from siamesenorm.run.recipe import SiameseTrainConfig, manifest_for, check_token_files
 
 __all__ = ["EvalSettings", "evaluate", "to_markdown", "to_csv", "known_tasks", "PAPER_TASKS"]
 
@@ -85,7 +85,7 @@ class _LogitsOf(torch.nn.Module):
 
 def _load(source: Path):
     """(model for OLMo's Trainer, OLMo TrainConfig for the evaluators, OLMo tokenizer, record fields)."""
-    if is_export(source) or _is_llama_export(source):
+    if is_export(source) or is_llama_export(source):
         hf_model, _ = load_for_generation(source)
         config = json.loads((source / "config.json").read_text())
         olmo = config.get("olmo") or {}
@@ -160,7 +160,7 @@ def evaluate(source: str | Path, settings: EvalSettings) -> Dict[str, Any]:
 def _memmap_dtype(cfg, paths: List[str]) -> str:
     """The token files' dtype: their manifest's (the folder scripts/prepare_data.py wrote), else the run's data
     config's, else uint16."""
-    found = _manifest_for(Path(paths[0]))
+    found = manifest_for(Path(paths[0]))
     if found is not None and found[0].get("memmap_dtype"):
         return found[0]["memmap_dtype"]
     return str(getattr(cfg.data, "memmap_dtype", None) or "uint16")

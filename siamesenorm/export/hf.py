@@ -113,7 +113,7 @@ def from_run(path: Union[str, Path]) -> tuple[SiameseOlmoForCausalLM, PreTrained
 
 def load_for_generation(path: Union[str, Path]) -> tuple[SiameseOlmoForCausalLM, PreTrainedTokenizerFast]:
     """(model, tokenizer) from an exported folder, a run folder or a checkpoint folder."""
-    if is_export(path) or _is_llama_export(Path(path)):
+    if is_export(path) or is_llama_export(Path(path)):
         from transformers import AutoTokenizer
 
         check_export(path)  # from elsewhere: bounded, and the weights are the model the config states
@@ -173,7 +173,7 @@ def llama_state_dict(olmo_state: Dict[str, torch.Tensor], olmo: Dict[str, Any]) 
     return {k: v.contiguous() for k, v in out.items()}
 
 
-def _is_llama_export(path: Path) -> bool:
+def is_llama_export(path: Path) -> bool:
     config = path / "config.json"
     return config.is_file() and read_json_object(config).get("model_type") == "llama" and \
         (path / "README.md").is_file() and "siamesenorm" in (path / "README.md").read_text()
@@ -197,7 +197,7 @@ def _check_arguments(out: Path, overwrite: bool, format: str) -> None:
     if out.exists() and any(out.iterdir()):
         if not overwrite:
             raise FileExistsError(f"{out} exists and is not empty; pass --overwrite to replace it, or another folder.")
-        if not (is_export(out) or _is_llama_export(out)):
+        if not (is_export(out) or is_llama_export(out)):
             raise FileExistsError(f"{out} is not an earlier export (no siamesenorm config.json); refusing to "
                                   "delete it.")
 

@@ -3,7 +3,7 @@
 ``import siamesenorm`` must be cheap (every script's ``--help``), yet any OLMo model built after it must honour
 MODEL_TYPE. So ``install()`` patches ``olmo.model.OLMoBlock.build`` at once if ``olmo.model`` is loaded, and
 otherwise the moment it loads (a finder on ``sys.meta_path`` that wraps that one module's loader). The patch is a
-trampoline: the first block built imports siamesenorm.models.registry, whose ``_hooked_build`` picks the block; OLMo's
+trampoline: the first block built imports siamesenorm.models.registry, whose ``hooked_build`` picks the block; OLMo's
 own factory is kept in ``ORIGINAL`` for ``pre``. Nothing here imports torch or OLMo.
 """
 
@@ -21,9 +21,9 @@ ORIGINAL: dict = {}
 
 
 def _trampoline(cls, layer_id, config, cache):
-    from siamesenorm.models.registry import _hooked_build
+    from siamesenorm.models.registry import hooked_build
 
-    return _hooked_build(ORIGINAL["build"], cls, layer_id, config, cache)
+    return hooked_build(ORIGINAL["build"], cls, layer_id, config, cache)
 
 
 def patch_factory(olmo_model: ModuleType) -> None:

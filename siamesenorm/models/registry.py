@@ -59,7 +59,7 @@ def block_for(layer_id: int, config: ModelConfig, cache: BufferCache) -> Optiona
     return None if cls is None else cls(layer_id, config, cache)
 
 
-def _hooked_build(olmo_build, cls, layer_id: int, config: ModelConfig, cache: BufferCache) -> OLMoBlock:
+def hooked_build(olmo_build, cls, layer_id: int, config: ModelConfig, cache: BufferCache) -> OLMoBlock:
     """The block factory siamesenorm/models/olmo_hook.py's trampoline calls, with OLMo's own (``olmo_build``) for ``pre``."""
     block = block_for(layer_id, config, cache)
     if block is not None:
@@ -69,4 +69,4 @@ def _hooked_build(olmo_build, cls, layer_id: int, config: ModelConfig, cache: Bu
     return block
 
 
-_hooked_build.siamesenorm_factory = True  # type: ignore[attr-defined]
+hooked_build.siamesenorm_factory = True  # type: ignore[attr-defined]

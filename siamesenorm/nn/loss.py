@@ -1,4 +1,4 @@
-"""A cross-entropy that never holds the full fp32 logits (issue 21): OLMo's loss function, computed over chunks of
+"""A cross-entropy that never holds the full fp32 logits: OLMo's loss function, computed over chunks of
 ``chunk_tokens`` tokens, each chunk's fp32 upcast and log-softmax recomputed in backward instead of kept.
 
 OLMo's loss under bf16 autocast keeps, for backward, an fp32 copy of all logits and their fp32 log-softmax

@@ -137,7 +137,7 @@ def activation_breakdown(model: torch.nn.Module, ids: torch.Tensor) -> Dict[str,
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            loss = _loss(model, ids)
+            loss = step_loss(model, ids)
     finally:
         for h in hooks:
             h.remove()
@@ -182,18 +182,18 @@ def flops_per_token(model: torch.nn.Module, ids: torch.Tensor) -> float:
 
     counter = FlopCounterMode(display=False)
     with counter:
-        _loss(model, ids).backward()
+        step_loss(model, ids).backward()
     model.zero_grad(set_to_none=True)
     return counter.get_total_flops() / ids.numel()
 
 
-def _loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+def step_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
     logits = model(ids).logits
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                              ids[:, 1:].reshape(-1))
 
 
-def _peak_flops() -> Optional[float]:
+def peak_flops() -> Optional[float]:
     if not torch.cuda.is_available():
         return None
     name = torch.cuda.get_device_name()
@@ -220,7 +220,7 @@ class _Variant:
         self.settings = settings
 
     def step(self) -> None:
-        _loss(self.model, self.ids).backward()
+        step_loss(self.model, self.ids).backward()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         if self.ids.is_cuda:
@@ -244,7 +244,7 @@ class _Variant:
                "step_s_median": statistics.median(self.times), "step_s_min": min(self.times),
                "step_s_max": max(self.times), "repeats": len(self.times),
                "tokens_per_s": s.batch * s.seq / statistics.median(self.times),
-               "activation_bytes": activation_bytes(self.model, lambda: _loss(self.model, self.ids)),
+               "activation_bytes": activation_bytes(self.model, lambda: step_loss(self.model, self.ids)),
                "flops_per_token": flops_per_token(self.model, self.ids) if self.mode == "eager" else None}
         if self.ids.is_cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -286,7 +286,7 @@ def run(settings: BenchSettings, progress: Callable[[str], None] = lambda m: pri
             gc.collect()
         if mode == "compiled":
             torch._dynamo.reset()
-    peak = _peak_flops()
+    peak = peak_flops()
     for mode in settings.modes:
         eager = {r["model_type"]: r for r in rows if r["mode"] == "eager"}
         for r in (r for r in rows if r["mode"] == mode):

@@ -1,4 +1,4 @@
-"""A device-independent cost model of one training step (issue 21): what every aten op of the model reads, writes and
+"""A device-independent cost model of one training step: what every aten op of the model reads, writes and
 computes, counted on fake tensors (no memory, no data: the 1.3B recipe at its real microbatch in seconds on a CPU).
 
 For one microbatch, forward and backward (the loss included, in fp32 as autocast runs it), per step and per layer:

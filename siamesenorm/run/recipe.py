@@ -161,7 +161,7 @@ def check_data_paths(cfg: SiameseTrainConfig) -> None:
             data.datasets = {k: expand_paths([str(p) for p in v]) for k, v in data.datasets.items()}
 
 
-def _manifest_for(path: Path) -> Optional[tuple[dict, str]]:
+def manifest_for(path: Path) -> Optional[tuple[dict, str]]:
     """(manifest, the file's key in it) when ``path`` lies in a folder written by scripts/prepare_data.py."""
     for root in (path.parent.parent, path.parent):
         manifest = root / "manifest.json"
@@ -174,7 +174,7 @@ def _manifest_for(path: Path) -> Optional[tuple[dict, str]]:
 def manifest_entry(path: Path) -> Optional[dict]:
     """A token file's entry in the manifest of the prepared folder it lies in, or None."""
     try:
-        found = _manifest_for(path)
+        found = manifest_for(path)
     except (OSError, ValueError):
         return None
     return None if found is None else found[0].get("files", {}).get(found[1])
@@ -190,7 +190,7 @@ def check_token_files(paths: List[str], memmap_dtype: str, vocab_size: int, veri
         if "://" in name:
             continue
         size = path.stat().st_size
-        found = _manifest_for(path)
+        found = manifest_for(path)
         meta = None
         if found is not None:
             manifest, key = found

@@ -1,4 +1,4 @@
-"""The CPU study's second part (issue 26): the paper v2's claims at small scale, from configs/sweeps/study-v2.yaml.
+"""The CPU study's second part: the paper v2's claims at small scale, from configs/sweeps/study-v2.yaml.
 
 ``report(results)`` gives every number docs/results-cpu.md part 2 quotes; ``figures`` draws PPL against depth, the
 fusion weights and logit lens over training, and the massive activations per layer. Cells are read with

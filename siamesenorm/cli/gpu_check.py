@@ -1,0 +1,49 @@
+"""The GPU check: each seed MODEL_TYPE trained on one GPU (bf16, FSDP, compiled blocks), stopped and resumed,
+generation, export and the preflight's timed run, as a Markdown report. Logic: siamesenorm/cluster/gpucheck.py.
+On a GPU machine without a package index, run scripts/gpu_check.sh (it installs from a wheelhouse first).
+
+  python scripts/gpu_check.py --report results/gpu/report.md
+  python scripts/gpu_check.py --recipe configs/tiny-cpu.yaml --variants pre hybrid_pre --steps 4   # on a CPU
+"""
+
+import argparse
+import sys
+
+SEED = ["pre", "post", "hybrid", "hc", "post_pre", "hybrid_pre"]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--recipe", default="configs/small-150M.yaml", help="the recipe trained (default: the 150M)")
+    parser.add_argument("--variants", nargs="+", default=SEED, help="MODEL_TYPEs trained (default: the six seed "
+                        "variants); the last one is also generated from and exported")
+    parser.add_argument("--exact", nargs="*", default=["pre", "hybrid_pre"],
+                        help="MODEL_TYPEs also stopped halfway and resumed, losses compared (default pre hybrid_pre)")
+    parser.add_argument("--steps", type=int, default=50, help="training steps a run (default 50)")
+    parser.add_argument("--global-batch", type=int, default=64,
+                        help="sequences a step (default 64; 0: the recipe's)")
+    parser.add_argument("--timed-steps", type=int, default=5, help="steps of the preflight's timed run (default 5)")
+    parser.add_argument("--work", default="/tmp/siamesenorm-gpu-check", help="data, runs and exports go here")
+    parser.add_argument("--report", default="results/gpu/report.md", help="the Markdown report (a .json beside it)")
+    args, overrides = parser.parse_known_args(argv)
+    if args.steps < 2:
+        parser.error("--steps must be >= 2 (the resume check stops halfway)")
+
+    import json
+    import shlex
+    from pathlib import Path
+
+    from siamesenorm.cluster.gpucheck import CheckSettings, run_check, to_markdown
+
+    settings = CheckSettings(recipe=args.recipe, variants=args.variants, exact_variants=args.exact or [],
+                             steps=args.steps, global_batch=args.global_batch or None, overrides=overrides,
+                             work=args.work, timed_steps=args.timed_steps)
+    result = run_check(settings)
+    report = Path(args.report)
+    report.parent.mkdir(parents=True, exist_ok=True)
+    command = "python scripts/gpu_check.py " + " ".join(shlex.quote(a) for a in (argv if argv is not None
+                                                                                 else sys.argv[1:]))
+    report.write_text(to_markdown(result, command))
+    report.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str) + "\n")
+    print(f"wrote {report} ({len(result['failures'])} failure(s))")
+    return 1 if result["failures"] else 0

@@ -1,0 +1,57 @@
+"""The CPU study's table, figures and per-claim numbers from the sweep's results (siamesenorm/studies/lr_grid.py).
+
+  python scripts/study_report.py results/study-cpu --output docs/figures/study
+  (writes study-*.png, report.json and table.md into --output; docs/results-cpu.md quotes them)
+  python scripts/study_report.py results/study-v2 --v2 --earlier results/study-cpu --output docs/figures/study-v2
+  (the second part, the paper's second version: v2-*.png and report.json; siamesenorm/studies/depth_and_dynamics.py)
+"""
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("results", help="the sweep's results folder (one sub-folder per cell)")
+    parser.add_argument("--output", required=True, help="folder for the figures, report.json and table.md")
+    parser.add_argument("--format", choices=["png", "pdf", "svg"], default="png", help="figure file format")
+    parser.add_argument("--smooth", type=int, default=20, help="moving-average window of the curves, in steps")
+    parser.add_argument("--v2", action="store_true", help="the second part's report (configs/sweeps/study-v2.yaml)")
+    parser.add_argument("--earlier", help="with --v2: the first study's results, for the seed groups it completes")
+    args = parser.parse_args(argv)
+    if not Path(args.results).is_dir():
+        print(f"error: {args.results} is not a folder; run scripts/sweep.py first.", file=sys.stderr)
+        return 2
+    try:
+        return _report(args)
+    except (ValueError, FileNotFoundError) as e:  # a record, metrics line or folder that is not a sweep's
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _report(args) -> int:
+    out = Path(args.output)
+    if args.v2:
+        from siamesenorm.studies import depth_and_dynamics
+
+        summary = depth_and_dynamics.report(args.results, args.earlier)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "report.json").write_text(json.dumps(summary, indent=1) + "\n")
+        for path in depth_and_dynamics.figures(summary, out, args.format):
+            print(f"wrote {path}")
+        print(f"wrote {out / 'report.json'} ({summary['cells']} cells)")
+        return 0
+    from siamesenorm.studies.lr_grid import figures, report
+
+    summary = report(args.results)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "report.json").write_text(json.dumps({k: v for k, v in summary.items() if k != "table"}, indent=1) + "\n")
+    (out / "table.md").write_text(summary["table"])
+    for path in figures(args.results, out, args.format, args.smooth):
+        print(f"wrote {path}")
+    print(f"wrote {out / 'report.json'} and {out / 'table.md'} ({summary['cells']} cells)")
+    return 0
