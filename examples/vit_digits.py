@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from siamesenorm import nn as snn# noqa: E402
+from siamesenorm import nn as snn  # noqa: E402
 
 TOPOLOGIES = ("pre", "post", "siamese")
 

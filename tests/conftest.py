@@ -6,9 +6,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-import siamesenorm  # noqa: E402  (installs the hook)
-from siamesenorm import SiameseModelConfig# noqa: E402
-
+from siamesenorm import SiameseModelConfig  # noqa: E402
 
 #: The first lines of a subprocess script that must run with transformers alone: importing siamesenorm or ai2-olmo
 #: fails in there (the export tests load folders this way).

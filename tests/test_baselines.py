@@ -9,8 +9,8 @@ from olmo.exceptions import OLMoConfigurationError
 from test_variants import ids, randomize
 
 from siamesenorm import build_model
-from siamesenorm.variants.deepnorm import deepnorm_alpha, deepnorm_beta
 from siamesenorm.nn import sinkhorn
+from siamesenorm.variants.deepnorm import deepnorm_alpha, deepnorm_beta
 from siamesenorm.variants.mixln import mixln_post_layers
 
 

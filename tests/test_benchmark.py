@@ -3,8 +3,8 @@ a CI-sized run of pre against hybrid_pre, eager and compiled."""
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from siamesenorm import MODEL_TYPES, build_model
 from siamesenorm.perf.benchmark import BenchSettings, activation_bytes, run, to_markdown
 

@@ -161,7 +161,7 @@ def test_help_imports_neither_torch_nor_olmo(script):
     check, the heavy modules it must not import before printing."""
     proc = subprocess.run([sys.executable, "-c", _HELP_IMPORTS, str(ROOT / "scripts" / script)], cwd=ROOT,
                           capture_output=True, text=True, timeout=120)
-    line = next(l for l in proc.stderr.splitlines() if l.startswith("HEAVY"))
+    line = next(ln for ln in proc.stderr.splitlines() if ln.startswith("HEAVY"))
     code, heavy = line.split(" ")[1], line.split(" ")[2] if len(line.split(" ")) > 2 else ""
     assert code in ("0", "None") and proc.stdout.strip(), (script, proc.stdout[-500:], proc.stderr[-2000:])
     assert heavy == "", f"{script} --help imports {heavy}"
@@ -179,8 +179,8 @@ def test_setup_and_test_scripts_answer_help_without_installing_or_testing():
 
 
 def test_the_model_type_list_for_help_is_the_registry():
-    from siamesenorm.models.names import declared_variants
     from siamesenorm.analysis.tables import METHOD_NAMES
+    from siamesenorm.models.names import declared_variants
 
     assert [name for name, _ in declared_variants()] == list(MODEL_TYPES)
     assert dict(declared_variants()) == METHOD_NAMES

@@ -248,8 +248,8 @@ def test_truncated_or_misread_token_files_are_refused_against_the_manifest(tmp_p
     (["--optimizer.learning_rate=null"], "Incompatible value 'None' for field of type 'float' (at optimizer.learning_rate)"),
 ])
 def test_bad_values_are_one_line_from_dry_run(tmp_path, data, overrides, expected):
-    from siamesenorm.run.recipe import RunError
     from siamesenorm.ai2_olmo.train import main
+    from siamesenorm.run.recipe import RunError
 
     with pytest.raises(RunError) as err:
         main(str(TINY), [*SMALL, f"--data.paths=[{data}]", f"--save_folder={tmp_path}/run", *overrides], dry=True)
@@ -276,8 +276,8 @@ def test_dry_run_says_what_a_real_start_would_do(checkpointed_mixln, data):
 def test_force_save_unsharded_with_fsdp_on_cpu_is_refused_in_one_line():
     from olmo.config import DistributedStrategy
 
-    from siamesenorm.run.recipe import RunError, load_config
     from siamesenorm.ai2_olmo.trainer import cpu_adjustments
+    from siamesenorm.run.recipe import RunError, load_config
 
     cfg = load_config(str(TINY), ["--force_save_unsharded=true"])
     cfg.distributed_strategy = DistributedStrategy.fsdp

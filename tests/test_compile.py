@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from siamesenorm import MODEL_TYPES, build_model
 from siamesenorm.ai2_olmo.trainer import compile_blocks
 

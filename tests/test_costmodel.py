@@ -96,8 +96,8 @@ def test_fake_activation_count_equals_the_real_tensors_saved():
     model, bf16 parameters, bf16 autocast, OLMo's loss."""
     from olmo.train import cross_entropy_loss
 
-    from siamesenorm.perf.benchmark import activation_bytes
     from siamesenorm.models.build import build_model
+    from siamesenorm.perf.benchmark import activation_bytes
 
     cfg = tiny_config(n_layers=2, d_model=32, weight_tying=False)
     for model_type in ("pre", "hybrid_pre"):

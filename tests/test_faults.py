@@ -269,8 +269,8 @@ def test_the_per_process_batch_error_is_said_once_with_the_fix(tmp_path, data): 
 
 
 def test_an_override_of_one_list_item_is_one_line(tmp_path):
-    from siamesenorm.run.recipe import RunError
     from siamesenorm.ai2_olmo.train import main
+    from siamesenorm.run.recipe import RunError
 
     with pytest.raises(RunError) as err:  # the recipe's own evaluators (SMALL would empty the list)
         main(str(TINY), ["--evaluators.0.data.datasets.x=[a]", f"--save_folder={tmp_path}/run"], dry=True)

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from siamesenorm import build_model
-from siamesenorm.perf import costmodel
+from siamesenorm.ai2_olmo.trainer import compile_blocks
 from siamesenorm.models.config import validate_model_config
 from siamesenorm.nn import fused
-from siamesenorm.ai2_olmo.trainer import compile_blocks
+from siamesenorm.perf import costmodel
 
 ROOT = Path(__file__).resolve().parents[1]
 #: Where scripts/setup_env.sh installs Triton for its interpreter (not into the environment: torch's CPU build

@@ -44,8 +44,8 @@ def greedy_olmo(model, ids: torch.Tensor, n: int) -> torch.Tensor:
 def test_export_loads_with_auto_classes_and_matches_olmo(tmp_path, monkeypatch, austen_prepared, model_type):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from siamesenorm.run.checkpoints import load_model
     from siamesenorm.export.hf import export
+    from siamesenorm.run.checkpoints import load_model
 
     run = trained_run(tmp_path, model_type, monkeypatch)
     out = tmp_path / "export"
@@ -143,8 +143,8 @@ def load_alone(folder: Path, ids: list, tmp_path: Path, trust: bool = False) -> 
 
 
 def test_a_trained_hybrid_pre_export_loads_with_transformers_alone(tmp_path, monkeypatch, austen_prepared):
-    from siamesenorm.run.checkpoints import load_model
     from siamesenorm.export.hf import export
+    from siamesenorm.run.checkpoints import load_model
 
     run = trained_run(tmp_path, "hybrid_pre", monkeypatch)
     out = tmp_path / "hybrid_pre-export"
@@ -163,8 +163,8 @@ def test_a_trained_hybrid_pre_export_loads_with_transformers_alone(tmp_path, mon
 @pytest.mark.parametrize("tied", [False, True])
 def test_pre_exports_as_a_llama_that_transformers_alone_loads_with_olmos_logits(tmp_path, monkeypatch,
                                                                                austen_prepared, tied):
-    from siamesenorm.run.checkpoints import load_model
     from siamesenorm.export.hf import export
+    from siamesenorm.run.checkpoints import load_model
 
     monkeypatch.chdir(ROOT)
     monkeypatch.setenv("MODEL_TYPE", "pre")

@@ -248,3 +248,10 @@ def test_code_and_docs_give_reasons_not_issue_numbers():
             for i, line in enumerate((root / f).read_text(errors="replace").splitlines(), 1)
             if pattern.search(line) and "pattern = re.compile" not in line]
     assert hits == []
+
+
+def test_ruff_finds_nothing():
+    """The lint configuration of pyproject.toml ([tool.ruff]) holds for the whole tree (CI runs this test)."""
+    proc = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", "--output-format", "concise", "."],
+                          cwd=PACKAGE.parent, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]

@@ -10,8 +10,8 @@ import types
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from siamesenorm import build_model
 from siamesenorm.models.config import MODEL_TYPES
 

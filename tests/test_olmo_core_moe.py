@@ -12,8 +12,8 @@ router, experts and auxiliary losses), the topology around it ours.
 
 import pytest
 import torch
-
 from conftest import tiny_config
+
 from siamesenorm.models.config import MODEL_TYPES
 
 olmo_core_config = pytest.importorskip("siamesenorm.olmo_core.config")

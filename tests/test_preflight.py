@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from siamesenorm.perf import costmodel
 from siamesenorm.cluster.preflight import budget_tokens, largest_microbatch, preflight
+from siamesenorm.perf import costmodel
 from siamesenorm.run.recipe import load_config
 
 ROOT = Path(__file__).resolve().parents[1]

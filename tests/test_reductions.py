@@ -4,8 +4,8 @@ import dataclasses
 
 import pytest
 import torch
-from olmo.config import ModelConfig
 from conftest import tiny_config
+from olmo.config import ModelConfig
 from olmo.model import OLMo, OLMoSequentialBlock
 from reference import Ref
 from test_variants import ids, randomize
@@ -68,7 +68,7 @@ def test_post_pre_with_bounded_stream_zeroed_is_pre_norm(position):
     torch.testing.assert_close(siamese(x).logits, pre(x).logits, rtol=1e-4, atol=1e-5)
     # and the reduction is not trivially true: with LN^X left at its init the outputs differ
     with torch.no_grad():
-        for n, p in left.items():
+        for p in left.values():
             p.fill_(1.0)
     assert not torch.allclose(siamese(x).logits, pre(x).logits, rtol=1e-3, atol=1e-3)
 

@@ -7,10 +7,10 @@ import textwrap
 import pytest
 
 import siamesenorm.variants as variants
-from siamesenorm.models.config import KNOB_OWNERS, LEGACY_KNOBS, MODEL_TYPES, SiameseModelConfig
 from siamesenorm.analysis.figures import COLOURS
-from siamesenorm.models.registry import BLOCKS
 from siamesenorm.analysis.tables import METHOD_NAMES
+from siamesenorm.models.config import KNOB_OWNERS, LEGACY_KNOBS, MODEL_TYPES, SiameseModelConfig
+from siamesenorm.models.registry import BLOCKS
 
 
 def test_every_view_of_the_variants_comes_from_the_files():
@@ -65,9 +65,10 @@ def test_a_broken_variant_file_is_named(monkeypatch, tmp_path, name, source, mes
 def test_knob_checks_are_declared_on_every_knob_and_fail_in_one_sentence():
     """Every str knob declares its choices and every numeric knob its range (siamesenorm/variants/spec.py: Knob);
     validate_model_config runs them for the knob's variants, each failure one sentence naming the field."""
+    from olmo.exceptions import OLMoConfigurationError
+
     from siamesenorm.models.config import validate_model_config
     from siamesenorm.variants import KNOB_OWNERS, KNOBS
-    from olmo.exceptions import OLMoConfigurationError
 
     for name, declared in KNOBS.items():
         if isinstance(declared.default, bool):

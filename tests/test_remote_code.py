@@ -8,17 +8,16 @@ import subprocess
 import sys
 import tomllib
 from pathlib import Path
-
 from typing import Optional
 
 import pytest
 import torch
 from conftest import HIDE_SIAMESENORM_AND_OLMO
 
-from siamesenorm.models.config import MODEL_TYPES, SiameseModelConfig
 from siamesenorm.export.hf import SiameseOlmoConfig, SiameseOlmoForCausalLM, write_export
-from siamesenorm.models.build import build_model
 from siamesenorm.export.remote import AUTO_MAP, CHECKED_TRANSFORMERS, check_imports, files_for
+from siamesenorm.models.build import build_model
+from siamesenorm.models.config import MODEL_TYPES, SiameseModelConfig
 
 PACKAGE = Path(__file__).resolve().parents[1] / "siamesenorm"
 IDS = [5, 17, 99, 3, 50, 10, 7, 42]

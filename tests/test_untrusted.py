@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from test_cluster import checkpointed_mixln, data, env, error_line, train  # noqa: F401  (fixtures)
-from test_training import ROOT, learnable_tokens
+from test_training import ROOT
 
 from siamesenorm.run.checkpoints import UnsafeCheckpoint, check_saved_yaml
 from siamesenorm.run.safeload import check_torch_file, load, load_olmo_safetensors
@@ -127,7 +127,6 @@ def test_memo_stack_global_is_seen_and_refused(tmp_path, checkpointed_mixln):
 
 def test_safetensors_with_a_pickled_name_is_read_without_running_it(tmp_path, checkpointed_mixln, data):  # noqa: F811
     import safetensors.torch
-
     from test_cluster import Payload
 
     marker = tmp_path / "payload-ran"

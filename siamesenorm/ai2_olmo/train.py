@@ -34,33 +34,6 @@ from olmo.optim import BoltOnWarmupScheduler, build_scheduler
 from olmo.torch_util import barrier, get_global_rank, get_local_rank, get_world_size, seed_all
 from omegaconf import OmegaConf as om
 
-from siamesenorm.run.checkpoints import allow_checkpoint_types
-from siamesenorm.models.config import MODEL_TYPES, resolve_model_type, validate_model_config
-from siamesenorm.run.console import detach_run_logs
-from siamesenorm.models.build import build_model, num_params_from_config
-from siamesenorm.run.records import RECORD_NAME, config_hash, recipe_hash, variant_knobs
-from siamesenorm.run.recipe import (
-    RunError,
-    SiameseTrainConfig,
-    check_batch_split,
-    check_data,
-    expand_paths,
-    load_config,
-    unigram_loss,
-    validate_run,
-)
-from siamesenorm.run.folder import (
-    check_resume_model,
-    check_same_data,
-    hold_run_folder,
-    plan_run,
-    read_record,
-    resolve_run_model_type,
-    settle_run_folder,
-    truncate_metrics,
-)
-from siamesenorm.run.safeload import UnsafeCheckpoint, checked_loads
-from siamesenorm.run.stability import EXIT_DIVERGED, Diverged, StabilityMonitor
 from siamesenorm.ai2_olmo.trainer import (
     NoSpace,
     SiameseTrainer,
@@ -71,6 +44,33 @@ from siamesenorm.ai2_olmo.trainer import (
     optimizer_param_groups,
     wrap_model,
 )
+from siamesenorm.models.build import build_model, num_params_from_config
+from siamesenorm.models.config import MODEL_TYPES, resolve_model_type, validate_model_config
+from siamesenorm.run.checkpoints import allow_checkpoint_types
+from siamesenorm.run.console import detach_run_logs
+from siamesenorm.run.folder import (
+    check_resume_model,
+    check_same_data,
+    hold_run_folder,
+    plan_run,
+    read_record,
+    resolve_run_model_type,
+    settle_run_folder,
+    truncate_metrics,
+)
+from siamesenorm.run.recipe import (
+    RunError,
+    SiameseTrainConfig,
+    check_batch_split,
+    check_data,
+    expand_paths,
+    load_config,
+    unigram_loss,
+    validate_run,
+)
+from siamesenorm.run.records import RECORD_NAME, config_hash, recipe_hash, variant_knobs
+from siamesenorm.run.safeload import UnsafeCheckpoint, checked_loads
+from siamesenorm.run.stability import EXIT_DIVERGED, Diverged, StabilityMonitor
 
 log = logging.getLogger(__name__)
 

@@ -35,10 +35,10 @@ from olmo.train import Trainer
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from siamesenorm.run.console import eval_line, step_line
 from siamesenorm.nn.loss import chunked_cross_entropy_loss
-from siamesenorm.run.records import split_eval_metrics, write_record
+from siamesenorm.run.console import eval_line, step_line
 from siamesenorm.run.recipe import RunError, SiameseTrainConfig
+from siamesenorm.run.records import split_eval_metrics, write_record
 from siamesenorm.run.stability import Diverged, StabilityMonitor
 
 log = logging.getLogger(__name__)

@@ -28,13 +28,13 @@ import torch
 import torch.nn.functional as F
 from olmo.model import OLMo
 
+from siamesenorm.analysis.figures import plot, run_events  # noqa: F401  (analysis.plot: the figure for a tool's result)
+from siamesenorm.analysis.tables import format_lr, method_name
+from siamesenorm.models.build import build_model
 from siamesenorm.run.checkpoints import checkpoint_folder, load_model  # noqa: F401  (re-exported: analysis.load_model)
 from siamesenorm.run.data import PrepareSettings, Skips, is_validation, iter_documents, load_tokenizer
-from siamesenorm.analysis.figures import plot, run_events  # noqa: F401  (analysis.plot: the figure for a tool's result)
-from siamesenorm.models.build import build_model
-from siamesenorm.run.records import RECORD_NAME, check_metrics_row, check_record, load_json_file
 from siamesenorm.run.recipe import expand_paths, load_config
-from siamesenorm.analysis.tables import format_lr, method_name
+from siamesenorm.run.records import RECORD_NAME, check_metrics_row, check_record, load_json_file
 from siamesenorm.variants._base import TopologyBlock
 
 __all__ = [

@@ -10,7 +10,8 @@
 
 Evaluation tokens: --tokens (OLMo token files), --text (.txt/.jsonl[.gz]; its held-out documents), or by default
 the run's own validation split. A tool that does not apply to a model says so and writes {"applies": false}.
-Figures: --format png|pdf|svg; colours, names and markers are the same in every figure (siamesenorm/analysis/figures.py).
+Figures: --format png|pdf|svg; colours, names and markers are the same in every figure
+(siamesenorm/analysis/figures.py).
 """
 
 import argparse

@@ -123,7 +123,15 @@ def main(argv=None) -> int:
             print(f"wrote {args.json}")
         return 0
     args.batch, args.seq = args.batch or 4, args.seq or 256
-    from siamesenorm.perf.benchmark import BenchSettings, breakdown, breakdown_markdown, recompute_cost, run, save, to_markdown
+    from siamesenorm.perf.benchmark import (
+        BenchSettings,
+        breakdown,
+        breakdown_markdown,
+        recompute_cost,
+        run,
+        save,
+        to_markdown,
+    )
 
     settings = BenchSettings(recipe=args.recipe, model_types=types, layers=args.layers, d_model=args.d_model, vocab=args.vocab,
                              batch=args.batch, seq=args.seq, repeats=args.repeats,

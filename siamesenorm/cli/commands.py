@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-from pathlib import Path
 import os
 import sys
+from pathlib import Path
 
 from siamesenorm.run.console import setup_logging as _logging
 
@@ -71,8 +71,8 @@ Examples:
     args, overrides = parser.parse_known_args(argv)
     _refuse_unknown_keys(args.config, overrides)
     _logging()
-    from siamesenorm.run.checkpoints import UnsafeCheckpoint
     from siamesenorm.ai2_olmo.train import Terminated, main
+    from siamesenorm.run.checkpoints import UnsafeCheckpoint
 
     try:
         code = main(args.config, overrides, dry=args.dry_run)
@@ -176,7 +176,14 @@ def prepare_data_main(argv=None) -> None:
                         "inputs and write it to --output")
     args = parser.parse_args(argv)
     _logging()
-    from siamesenorm.run.data import DataPreparationError, PrepareSettings, iter_documents, prepare, train_tokenizer, Skips
+    from siamesenorm.run.data import (
+        DataPreparationError,
+        PrepareSettings,
+        Skips,
+        iter_documents,
+        prepare,
+        train_tokenizer,
+    )
 
     inputs = args.inputs or ["hf:HuggingFaceFW/fineweb-edu:sample-10BT"]
     settings = PrepareSettings(
@@ -236,11 +243,10 @@ Then, in Python (transformers alone):
     args = parser.parse_args(argv)
     _logging()
     import torch
-
     from transformers.utils import logging as hf_logging
 
-    from siamesenorm.run.checkpoints import UnsafeCheckpoint
     from siamesenorm.export.hf import export, is_export
+    from siamesenorm.run.checkpoints import UnsafeCheckpoint
 
     hf_logging.disable_progress_bar()  # one-file models: per-shard progress bars only add console lines
 
@@ -288,11 +294,10 @@ def generate_main(argv=None) -> None:
     if args.num_samples > 1 and not args.sample:
         parser.error("--num-samples > 1 needs --sample (greedy decoding gives one continuation)")
     import torch
-
     from transformers.utils import logging as hf_logging
 
-    from siamesenorm.run.checkpoints import UnsafeCheckpoint
     from siamesenorm.export.hf import load_for_generation
+    from siamesenorm.run.checkpoints import UnsafeCheckpoint
 
     hf_logging.disable_progress_bar()
 
@@ -350,8 +355,8 @@ def evaluate_main(argv=None) -> None:
         sys.exit(2)
     from transformers.utils import logging as hf_logging
 
-    from siamesenorm.run.checkpoints import UnsafeCheckpoint
     from siamesenorm.export.evaluate import PAPER_TASKS, EvalSettings, evaluate, to_csv, to_markdown
+    from siamesenorm.run.checkpoints import UnsafeCheckpoint
 
     hf_logging.disable_progress_bar()
 

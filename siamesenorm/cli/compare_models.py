@@ -13,7 +13,6 @@ says, per case, whether all four are ``torch.equal``; it exits 1 if any case dif
 """
 
 import argparse
-import sys
 from pathlib import Path
 
 KNOB_CASES = [("post_pre", {"post_pre_x_norm_position": "after_addition"}),

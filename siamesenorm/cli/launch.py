@@ -13,11 +13,10 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 from siamesenorm.run.records import RECORD_NAME
 from siamesenorm.run.stability import EXIT_DIVERGED
 
+ROOT = Path(__file__).resolve().parents[2]
 
 USAGE = "usage: python scripts/launch.py [torchrun options] CONFIG.yaml [--key=value ...]"
 HELP = f"""{USAGE}

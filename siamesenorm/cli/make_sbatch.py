@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("config", help="the recipe (configs/*.yaml); overrides (--key=value) follow it")

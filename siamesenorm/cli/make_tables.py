@@ -8,9 +8,9 @@ import argparse
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-
 from siamesenorm.run.records import RECORD_NAME, read_record
+
+ROOT = Path(__file__).resolve().parents[2]
 
 SUFFIX = {"markdown": "md", "csv": "csv", "latex": "tex"}
 
@@ -34,7 +34,13 @@ def main(argv=None) -> int:
                         help="table format (default markdown); all: every format, needs --output")
     parser.add_argument("--output", help="write table1.<md|csv|tex> into this folder instead of printing")
     args = parser.parse_args(argv)
-    from siamesenorm.analysis.tables import LEGEND, build_table, formats, render, subset_note  # after --help: imports OLMo
+    from siamesenorm.analysis.tables import (  # after --help: imports OLMo
+        LEGEND,
+        build_table,
+        formats,
+        render,
+        subset_note,
+    )
 
     try:
         files = find_records(args.paths)

@@ -34,8 +34,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from siamesenorm.models.config import resolve_model_type
     from siamesenorm.cluster.preflight import detect_gpu, preflight, to_markdown
+    from siamesenorm.models.config import resolve_model_type
     from siamesenorm.run.recipe import RunError, load_config
 
     logging.disable(logging.WARNING)  # OLMo's and torch's start-up chatter; the table says what matters

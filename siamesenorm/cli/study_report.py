@@ -12,8 +12,6 @@ import sys
 from pathlib import Path
 
 
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("results", help="the sweep's results folder (one sub-folder per cell)")

@@ -8,8 +8,6 @@ continues where it stopped. Logic and plan format: siamesenorm/studies/sweep.py.
 import argparse
 import signal
 import sys
-from pathlib import Path
-
 
 from siamesenorm.studies.sweep import PlanError, load_plan, run_plan, status, stop_children, stopping
 

@@ -114,8 +114,8 @@ def run_check(s: CheckSettings, progress=lambda m: print(m, file=sys.stderr, flu
     """Every step of the check; returns the results the report is made of."""
     import torch
 
-    from siamesenorm.nn import fused
     from siamesenorm.cluster.preflight import preflight
+    from siamesenorm.nn import fused
     from siamesenorm.run.recipe import load_config
 
     work = Path(s.work)

@@ -27,12 +27,11 @@ import torch
 import torch.distributed as dist
 from olmo.exceptions import OLMoConfigurationError
 
-from siamesenorm.perf import costmodel
-from siamesenorm.perf.benchmark import step_loss, peak_flops, flops_per_token
-from siamesenorm.models.config import validate_model_config
 from siamesenorm.models.build import build_model
-from siamesenorm.run.recipe import RunError, SiameseTrainConfig, check_batch_split, expand_paths
-from siamesenorm.run.recipe import check_data
+from siamesenorm.models.config import validate_model_config
+from siamesenorm.perf import costmodel
+from siamesenorm.perf.benchmark import flops_per_token, peak_flops, step_loss
+from siamesenorm.run.recipe import RunError, SiameseTrainConfig, check_batch_split, check_data, expand_paths
 
 __all__ = ["Check", "preflight", "detect_gpu", "budget_tokens", "checkpoint_bytes", "largest_microbatch",
            "timed_run", "to_markdown"]

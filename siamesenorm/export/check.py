@@ -26,9 +26,9 @@ from typing import Dict, Union
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from siamesenorm.models.config import SiameseModelConfig
-from siamesenorm.models.build import build_model
 from siamesenorm.export.remote.modeling_siamesenorm import HF_MODEL_TYPE
+from siamesenorm.models.build import build_model
+from siamesenorm.models.config import SiameseModelConfig
 from siamesenorm.run.safeload import UnsafeCheckpoint
 
 __all__ = ["check_export", "read_json_object", "read_safetensors_header", "MAX_JSON_BYTES", "MAX_HEADER_BYTES",

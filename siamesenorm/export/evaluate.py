@@ -33,10 +33,10 @@ from olmo.eval.downstream import label_to_task_map
 from olmo.tokenizer import Tokenizer
 from olmo.train import Trainer
 
+from siamesenorm.export.hf import is_export, is_llama_export, load_for_generation
 from siamesenorm.run.checkpoints import checkpoint_folder, load_model
-from siamesenorm.export.hf import is_llama_export, is_export, load_for_generation
+from siamesenorm.run.recipe import SiameseTrainConfig, check_token_files, manifest_for
 from siamesenorm.run.records import DOWNSTREAM_LABELS, RECORD_NAME, check_record, load_json_file, split_eval_metrics
-from siamesenorm.run.recipe import SiameseTrainConfig, manifest_for, check_token_files
 
 __all__ = ["EvalSettings", "evaluate", "to_markdown", "to_csv", "known_tasks", "PAPER_TASKS"]
 

@@ -32,14 +32,14 @@ from typing import Any, Dict, Optional, Union
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedTokenizerFast
 
-from siamesenorm.run.checkpoints import checkpoint_folder, load_model
-from siamesenorm.models.config import SiameseModelConfig
-from siamesenorm.run.data import load_tokenizer
 from siamesenorm.export.check import check_export, read_json_object
-from siamesenorm.models.build import build_model
-from siamesenorm.run.records import variant_knobs
-from siamesenorm.export.remote import modeling_siamesenorm as remote_model
 from siamesenorm.export.remote import CHECKED_TRANSFORMERS, remote_refusal, write_remote_code
+from siamesenorm.export.remote import modeling_siamesenorm as remote_model
+from siamesenorm.models.build import build_model
+from siamesenorm.models.config import SiameseModelConfig
+from siamesenorm.run.checkpoints import checkpoint_folder, load_model
+from siamesenorm.run.data import load_tokenizer
+from siamesenorm.run.records import variant_knobs
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,7 @@ from typing import Optional, Type
 from olmo.config import ModelConfig
 from olmo.model import BufferCache, OLMoBlock
 
-from siamesenorm.models.config import MODEL_TYPES, resolve_model_type, validate_model_config
+from siamesenorm.models.config import resolve_model_type, validate_model_config
 from siamesenorm.variants import VARIANTS
 from siamesenorm.variants._base import RECOMPUTE_DEFAULT, TopologyBlock, set_recompute
 

@@ -39,11 +39,17 @@ require_olmo_core()
 
 from olmo_core.nn.attention import Attention  # noqa: E402
 from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType  # noqa: E402
-from olmo_core.nn.transformer.block import (MoETransformerBlock, TransformerBlock,  # noqa: E402
-                                            TransformerBlockBase)
+from olmo_core.nn.transformer.block import MoETransformerBlock, TransformerBlock, TransformerBlockBase  # noqa: E402
 
-from siamesenorm.nn.topologies import (HyperConnection, ManifoldHyperConnection, StackedStreams, hybrid_norm_update,
-                             post_norm_update, siamese_hybrid_attention, siamese_update)
+from siamesenorm.nn.topologies import (
+    HyperConnection,
+    ManifoldHyperConnection,
+    StackedStreams,
+    hybrid_norm_update,
+    post_norm_update,
+    siamese_hybrid_attention,
+    siamese_update,
+)
 from siamesenorm.variants._base import depth_scale
 from siamesenorm.variants.deepnorm import deepnorm_alpha, deepnorm_beta
 from siamesenorm.variants.mixln import mixln_post_layers

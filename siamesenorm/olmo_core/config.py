@@ -21,12 +21,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
 import torch
-
-from siamesenorm.models.config import resolve_model_type, validate_model_config
-from siamesenorm.variants import VARIANTS
-from siamesenorm.olmo_core import moe_kernels
-from siamesenorm.olmo_core.blocks import QKV_HEAD_NORM_TYPES, core_block_class  # checks the OLMo-core release first
-
 from olmo_core.nn.attention import AttentionConfig
 from olmo_core.nn.feed_forward import FeedForwardConfig
 from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType
@@ -34,6 +28,11 @@ from olmo_core.nn.lm_head import LMHeadConfig
 from olmo_core.nn.moe import MoEConfig, MoERouterConfig, MoEType
 from olmo_core.nn.rope import RoPEConfig
 from olmo_core.nn.transformer.config import TransformerBlockConfig, TransformerConfig, TransformerType
+
+from siamesenorm.models.config import resolve_model_type, validate_model_config
+from siamesenorm.olmo_core import moe_kernels
+from siamesenorm.olmo_core.blocks import QKV_HEAD_NORM_TYPES, core_block_class  # checks the OLMo-core release first
+from siamesenorm.variants import VARIANTS
 
 __all__ = ["SiameseBlockConfig", "SiameseTransformerConfig", "transformer_config", "moe_config", "olmo_to_core_state",
            "core_to_olmo_state", "enum_value"]

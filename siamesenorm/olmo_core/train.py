@@ -22,13 +22,6 @@ from typing import Dict, List, Optional
 
 import torch
 import torch.nn as nn
-
-from siamesenorm.run.recipe import check_batch_split, load_config, validate_run
-from siamesenorm.run.folder import FINGERPRINT_NAME, check_same_data, data_fingerprint
-from siamesenorm.run.safeload import checked_olmo_core_loads
-from siamesenorm.run.recipe import check_data
-from siamesenorm.olmo_core.config import enum_value, transformer_config  # checks the OLMo-core release first
-
 from olmo_core.config import DType
 from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
 from olmo_core.distributed.parallel import DataParallelType
@@ -39,6 +32,11 @@ from olmo_core.optim import AdamWConfig, CosWithWarmup, OptimGroupOverride
 from olmo_core.train import Duration, TrainerConfig, prepare_training_environment, teardown_training_environment
 from olmo_core.train.callbacks import Callback, CheckpointerCallback
 from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
+
+from siamesenorm.olmo_core.config import enum_value, transformer_config  # checks the OLMo-core release first
+from siamesenorm.run.folder import FINGERPRINT_NAME, check_same_data, data_fingerprint
+from siamesenorm.run.recipe import check_batch_split, check_data, load_config, validate_run
+from siamesenorm.run.safeload import checked_olmo_core_loads
 
 log = logging.getLogger(__name__)
 

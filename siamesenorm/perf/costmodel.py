@@ -35,8 +35,8 @@ import torch.nn.functional as F
 from olmo.train import cross_entropy_loss
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from siamesenorm.nn.loss import chunked_cross_entropy_loss
 from siamesenorm.models.build import build_model
+from siamesenorm.nn.loss import chunked_cross_entropy_loss
 
 __all__ = ["DEVICES", "MATMUL_EFFICIENCY", "BANDWIDTH_EFFICIENCY", "Cost", "count", "step_cost", "estimate_seconds",
            "total", "table", "to_markdown", "compiled_layer_cost", "with_compiled_blocks"]

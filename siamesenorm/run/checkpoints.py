@@ -12,8 +12,8 @@ from olmo.checkpoint import TorchLegacyShardedCheckpointer
 from olmo.util import find_latest_checkpoint
 from omegaconf import OmegaConf as om
 
-from siamesenorm.models.config import LEGACY_KNOBS
 from siamesenorm.models.build import build_model
+from siamesenorm.models.config import LEGACY_KNOBS
 from siamesenorm.run.recipe import load_config
 from siamesenorm.run.safeload import (  # noqa: F401 (UnsafeCheckpoint, allow_checkpoint_types: re-exported)
     UnsafeCheckpoint,

@@ -372,13 +372,13 @@ def prepare(settings: PrepareSettings, output: str | Path, num_workers: int = 1,
     try:
         if num_workers <= 1:
             _init_worker(settings.tokenizer)
-            for record in map(_tokenize_unit, jobs()):
+            for _record in map(_tokenize_unit, jobs()):
                 if bar is not None:
                     bar.update(1)
         else:
             ctx = mp.get_context("spawn")
             with ctx.Pool(num_workers, initializer=_init_worker, initargs=(settings.tokenizer,)) as pool:
-                for record in pool.imap(_tokenize_unit, jobs()):
+                for _record in pool.imap(_tokenize_unit, jobs()):
                     if bar is not None:
                         bar.update(1)
     finally:  # also on an error, so that its message starts a line of its own

@@ -44,11 +44,11 @@ from olmo.exceptions import OLMoConfigurationError
 from olmo.util import find_latest_checkpoint
 from omegaconf import OmegaConf as om
 
-from siamesenorm.run.checkpoints import UnsafeCheckpoint, check_saved_yaml, load_saved_config
 from siamesenorm.models.config import SiameseModelConfig, resolve_model_type
+from siamesenorm.run.checkpoints import UnsafeCheckpoint, check_saved_yaml, load_saved_config
 from siamesenorm.run.console import attach_run_log
-from siamesenorm.run.records import RECORD_NAME
 from siamesenorm.run.recipe import RunError, SiameseTrainConfig, manifest_entry
+from siamesenorm.run.records import RECORD_NAME
 
 log = logging.getLogger(__name__)
 

@@ -14,10 +14,19 @@ from typing import Dict, List, Optional
 
 import yaml
 
-from siamesenorm.analysis.figures import (LAYER_AXIS, LEGEND_PT, colour, integer_ticks, method_label, pyplot, readable_log, save,
-                      stream_label)
-from siamesenorm.studies.lr_grid import load_cells
+from siamesenorm.analysis.figures import (
+    LAYER_AXIS,
+    LEGEND_PT,
+    colour,
+    integer_ticks,
+    method_label,
+    pyplot,
+    readable_log,
+    save,
+    stream_label,
+)
 from siamesenorm.analysis.tables import METHOD_NAMES, format_lr
+from siamesenorm.studies.lr_grid import load_cells
 
 __all__ = ["cell_setting", "report", "figures"]
 
@@ -97,7 +106,7 @@ def report(results: str | Path, earlier: Optional[str | Path] = None, base_depth
             "divergence": rec.get("divergence"), "diverged_at_step": rec.get("diverged_at_step")}
 
     over_time = {}
-    for c, s in cells:
+    for c, _ in cells:
         steps_file = results / c["name"] / "analysis-steps.json"
         if not steps_file.is_file():
             continue

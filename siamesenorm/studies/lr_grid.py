@@ -31,8 +31,8 @@ from siamesenorm.analysis.figures import (
     save,
     stream_label,
 )
-from siamesenorm.run.records import RECORD_NAME, check_metrics_row, check_record, load_json_file
 from siamesenorm.analysis.tables import METHOD_NAMES, build_table, format_lr, method_name, to_markdown
+from siamesenorm.run.records import RECORD_NAME, check_metrics_row, check_record, load_json_file
 
 __all__ = ["load_cells", "report", "figures"]
 

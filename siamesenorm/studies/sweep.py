@@ -48,8 +48,6 @@ from omegaconf import OmegaConf as om
 
 from siamesenorm.models.names import model_type_names
 from siamesenorm.run.records import RECORD_NAME
-
-
 from siamesenorm.run.stability import EXIT_DIVERGED
 
 log = logging.getLogger(__name__)

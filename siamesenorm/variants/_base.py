@@ -17,9 +17,9 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
-from torch.utils.checkpoint import checkpoint
 from olmo.config import ModelConfig
 from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
+from torch.utils.checkpoint import checkpoint
 
 from ..nn.fused import stream_add, stream_input
 from ..nn.topologies import DEPTH_SCALING_FORMS, StackedStreams, depth_divisor

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from siamesenorm import variants
+
 from .olmo_lite import unsupported
 
 __all__ = ["write_remote_code", "remote_refusal", "AUTO_MAP", "REWRITES", "check_imports", "CHECKED_TRANSFORMERS"]

@@ -63,7 +63,7 @@ class SiameseOlmoForCausalLM(PreTrainedModel, GenerationMixin):
     @classmethod
     def build_inner(cls, config: SiameseOlmoConfig) -> torch.nn.Module:
         """The OLMo model, from the export folder's modelling code (olmo_lite and the variant files)."""
-        from .olmo_lite import OLMo, ModelConfig
+        from .olmo_lite import ModelConfig, OLMo
         from .variant_table import block_class
 
         fields = ModelConfig(config.olmo)
