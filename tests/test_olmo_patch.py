@@ -73,7 +73,7 @@ def test_patched_source_tree_builds_the_same_models(pristine, tmp_path):
             out[mt] = sorted(n for n, _ in model.named_parameters())
         import siamesenorm.models.registry as r
         import siamesenorm.models.olmo_hook as h
-        out["factory_untouched"] = olmo.model.OLMoBlock.build.__func__ not in (r._hooked_build, h._trampoline)
+        out["factory_untouched"] = olmo.model.OLMoBlock.build.__func__ not in (r.hooked_build, h._trampoline)
         print(json.dumps(out))
     """)
     env = {**os.environ, "PYTHONPATH": f"{tree}{os.pathsep}{ROOT}"}
@@ -86,3 +86,36 @@ def test_patched_source_tree_builds_the_same_models(pristine, tmp_path):
         names = sorted(torch.load(tmp_path / f"{mt}.pt").keys())
         assert result[mt] == names
         torch.testing.assert_close(torch.load(tmp_path / f"{mt}-patched.pt"), expected[mt], rtol=0, atol=0)
+
+
+def test_olmo_is_the_official_repository_as_a_submodule_at_v0_6_0():
+    """.gitmodules and the index pin OLMo/ to the official repository's v0.6.0 commit (whose olmo/ is the sdist's)."""
+    listed = subprocess.run(["git", "ls-files", "-s", "OLMo"], cwd=ROOT, capture_output=True, text=True)
+    if listed.returncode != 0 or not listed.stdout:
+        pytest.skip("not a git checkout of the project")
+    mode, commit = listed.stdout.split()[:2]
+    assert (mode, commit) == ("160000", olmo_patch.OFFICIAL_COMMIT)  # a gitlink: a submodule
+    url = subprocess.run(["git", "config", "-f", ".gitmodules", "submodule.OLMo.url"], cwd=ROOT,
+                         capture_output=True, text=True).stdout.strip()
+    assert url == olmo_patch.OFFICIAL_URL
+
+
+def test_an_empty_olmo_folder_is_filled_from_the_sdist_and_a_submodule_at_another_commit_is_refused(tmp_path):
+    """A plain clone leaves OLMo/ empty (the submodule not initialised): setup fills it from the sdist. A submodule
+    checkout elsewhere than v0.6.0 is refused in one line instead of patching the wrong source."""
+    empty = tmp_path / "OLMo"
+    empty.mkdir()
+    tree = olmo_patch.materialize(empty, PATCH, CACHE)
+    assert "SIAMESENORM_PATCHED = True" in (tree / "olmo" / "model.py").read_text()
+    other = tmp_path / "sub" / "OLMo"
+    other.mkdir(parents=True)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run(["git", "init", "-q", "--separate-git-dir", str(tmp_path / "sub" / "modules-OLMo"), str(other)],
+                   check=True)
+    (other / "README.md").write_text("not OLMo v0.6.0\n")
+    subprocess.run([*git, "add", "-A"], cwd=other, check=True)
+    subprocess.run([*git, "commit", "-qm", "x"], cwd=other, check=True)
+    assert olmo_patch.is_submodule_checkout(other)
+    with pytest.raises(RuntimeError, match=r"submodule checkout at \w+, not v0.6.0 .*git submodule update OLMo"):
+        olmo_patch.materialize(other, PATCH, CACHE)
+    assert not (other / "olmo").exists()  # nothing written

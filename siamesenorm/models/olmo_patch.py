@@ -21,6 +21,11 @@ VERSION = "0.6.0"
 SDIST = f"ai2_olmo-{VERSION}.tar.gz"
 SDIST_SHA256 = "17088d0b1c166aad60f4ebb6046100f2d70339ea910e075179aeb362f63560fc"
 RELEASE_TAG = f"v{VERSION}"
+#: OLMo/ as the git submodule .gitmodules declares: the official repository at its v0.6.0 tag. That commit's olmo/
+#: is byte for byte the sdist's olmo/ (25 files), so changes.patch applies to either tree; the sdist holds the
+#: package only (olmo/, hf_olmo/, olmo_data/), the repository everything else (scripts/, configs/, inference/...).
+OFFICIAL_URL = "https://github.com/allenai/OLMo.git"
+OFFICIAL_COMMIT = "6c3373fa182af2d57fe3c390ffc8420d5c5b325a"
 
 
 
@@ -125,10 +130,27 @@ def fetch_sdist(cache_dir: Path) -> Path:
     return path
 
 
+def is_submodule_checkout(target: Path) -> bool:
+    """OLMo/ filled by ``git submodule update --init`` (its .git is a file pointing into the superproject)."""
+    return (Path(target) / ".git").is_file()
+
+
 def materialize(target: Path, patch_file: Optional[Path], cache_dir: Path) -> Path:
     """OLMo/ as a git repository: the pristine release committed and tagged, then ``patch_file`` applied and
-    committed. Safe to rerun: an existing tree at the release tag is reused."""
+    committed. Safe to rerun: an existing tree at the release tag is reused. An empty OLMo/ (the submodule not
+    initialised, as in a plain clone) is filled from the sdist; a submodule checkout gets the patch applied in its
+    working tree, uncommitted, as the official README does it (it must be at ``OFFICIAL_COMMIT``)."""
     target = Path(target)
+    if is_submodule_checkout(target):
+        head = _git(target, "rev-parse", "HEAD").strip()
+        if head != OFFICIAL_COMMIT:
+            raise RuntimeError(f"{target} is a submodule checkout at {head[:12]}, not v{VERSION} "
+                               f"({OFFICIAL_COMMIT[:12]}); run `git submodule update {target.name}` and rerun.")
+        if patch_file is not None and subprocess.run(["git", "apply", "--reverse", "--check", str(patch_file)],
+                                                     cwd=target, capture_output=True).returncode != 0:
+            _git(target, "checkout", "-q", OFFICIAL_COMMIT, "--", "olmo")
+            _git(target, "apply", str(patch_file))
+        return target
     if not (target / ".git").is_dir():
         sdist = fetch_sdist(cache_dir)
         if target.exists() and any(target.iterdir()):
@@ -158,5 +180,6 @@ def pristine_tree(target: Path) -> Path:
     out = Path(tempfile.mkdtemp())
     for rel in sorted({path for path, _, _ in edits()}):
         (out / rel).parent.mkdir(parents=True, exist_ok=True)
-        (out / rel).write_text(_git(target, "show", f"{RELEASE_TAG}:{rel}"))
+        release = OFFICIAL_COMMIT if is_submodule_checkout(target) else RELEASE_TAG
+        (out / rel).write_text(_git(target, "show", f"{release}:{rel}"))
     return out
