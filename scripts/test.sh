@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Install (once) and run the test suite on CPU. With no arguments: every test under tests/. Arguments are passed
-# to pytest and replace that default when they name tests (bash scripts/test.sh tests/test_tables.py -x).
+# to pytest and replace that default when they name tests (bash scripts/test.sh tests/analysis/test_tables.py -x).
 set -euo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
   echo "usage: bash scripts/test.sh [pytest arguments]"
   echo "Sets up .venv once (scripts/setup_env.sh), then runs pytest on CPU: every test under tests/ by default;"
-  echo "arguments that name tests replace that default (bash scripts/test.sh tests/test_tables.py -x), others are"
+  echo "arguments that name tests replace that default (bash scripts/test.sh tests/analysis/test_tables.py -x), others are"
   echo "passed to pytest as they are (bash scripts/test.sh -k hybrid_pre). pytest's own options: python -m pytest --help."
   exit 0
 fi

@@ -4,7 +4,13 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+# tests/ mirrors the package (tests/<folder>/test_*.py; tests/README.md): the shared helpers here (conftest,
+# reference) and each folder's modules importable by name from any test (a few share fixtures and helpers).
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_FOLDERS = [os.path.join(_HERE, d) for d in sorted(os.listdir(_HERE)) if os.path.isdir(os.path.join(_HERE, d))]
+for _folder in [_HERE] + [f for f in _FOLDERS if any(n.startswith("test_") for n in os.listdir(f))]:
+    if _folder not in sys.path:
+        sys.path.insert(0, _folder)
 
 from siamesenorm import SiameseModelConfig  # noqa: E402
 

@@ -5,7 +5,7 @@ On the shipped Austen corpus tokenized with the recipe's tokenizer: the prefligh
 under torchrun (FSDP on one GPU, bf16, compiled blocks as the recipe sets them); for some of them the same run
 stopped halfway and resumed, losses compared step by step; generation from a checkpoint, HF export and generation
 from the export. Every step is run even when an earlier one failed; the report says what failed and how.
-``scripts/gpu_check.sh`` installs the project from a wheelhouse first; tests/test_gpucheck.py runs the same code on
+``scripts/gpu_check.sh`` installs the project from a wheelhouse first; tests/cluster/test_gpucheck.py runs the same code on
 the CPU with the tiny recipe.
 """
 

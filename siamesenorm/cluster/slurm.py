@@ -4,7 +4,7 @@ the job's first node, through scripts/launch.py (so the job's exit status says f
 What a node failure does: srun's ``--kill-on-bad-exit=1`` ends every node's task as soon as one fails, so the whole
 job stops (on its own, a surviving node's workers fail at their next collective with the lost peer); submitting
 the same script again resumes from the latest checkpoint in the save folder (the recipes set
-``try_load_latest_save: true``). tests/test_multinode.py runs a generated script on one machine as two "nodes"
+``try_load_latest_save: true``). tests/ai2_olmo/test_multinode.py runs a generated script on one machine as two "nodes"
 (a stand-in srun), kills one of them, and checks that the resubmitted job ends with the same losses as an
 uninterrupted run.
 """

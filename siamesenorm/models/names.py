@@ -1,6 +1,6 @@
 """MODEL_TYPE names and display names, read from the variant files' ``VARIANT = Variant(...)`` without importing
 them (importing a variant imports torch and OLMo: seconds). For ``--help`` texts and argument choices; everything
-else uses the registry (siamesenorm.variants.VARIANTS), and tests/test_registry.py checks that the two agree."""
+else uses the registry (siamesenorm.variants.VARIANTS), and tests/models/test_registry.py checks that the two agree."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ of the ai2-olmo path: the ``MODEL_TYPE`` environment variable, else ``model_type
 RoPE, SwiGLU hidden size, biases, tying. ``olmo_to_core_state`` / ``core_to_olmo_state`` map a state dict between
 the ai2-olmo model and that OLMo-core model (OLMo's fused Q/K/V and SwiGLU projections split into OLMo-core's
 ``w_q``/``w_k``/``w_v`` and ``w1``/``w3``, names moved, nothing else changed), so the two give the same logits
-(tests/test_olmo_core.py, every MODEL_TYPE).
+(tests/olmo_core/test_olmo_core.py, every MODEL_TYPE).
 """
 
 from __future__ import annotations

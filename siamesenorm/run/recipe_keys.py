@@ -3,7 +3,7 @@ not after the 6-10 s OLMo and torch take to import).
 
 The key tree of the training config (OLMo's TrainConfig with our model section and run settings) is stored in
 ``recipe_keys.json`` beside this file, generated from the dataclasses themselves
-(``python -m siamesenorm.run.recipe_keys --write``); tests/test_cli.py regenerates it and fails when it differs, so it
+(``python -m siamesenorm.run.recipe_keys --write``); tests/cli/test_cli.py regenerates it and fails when it differs, so it
 cannot drift from the config it describes. Reading it needs only ``json`` and ``yaml``.
 
 The check is deliberately one-sided: it names a key only where the tree says for certain that no such field

@@ -573,7 +573,7 @@ _OP_COST = {**{op: 8 for op in ("NONE", "NEWTRUE", "NEWFALSE", "EMPTY_TUPLE", "M
             **{op: 48 + 128 for op in ("REDUCE", "NEWOBJ", "NEWOBJ_EX", "BUILD", "GLOBAL", "STACK_GLOBAL",
                                        "BINPERSID", "PERSID", "INST", "OBJ", "EXT1", "EXT2", "EXT4")}}
 #: The most the checker may spend a byte of pickle (``prescan_pickle``). Pickles torch and OLMo write cost 9-25
-#: (tests/test_untrusted.py measures them); a pickle of the cheapest object-making opcodes would cost 160.
+#: (tests/run/test_untrusted.py measures them); a pickle of the cheapest object-making opcodes would cost 160.
 CHECK_BYTES_PER_PICKLE_BYTE = 96
 
 

@@ -11,7 +11,7 @@
 - ``variant_table.py`` (generated): that MODEL_TYPE's block and knobs.
 
 and returns the ``auto_map`` for config.json. Every written file is checked to import only the standard library,
-torch, transformers and its sibling files (``check_imports``); tests/test_remote_code.py loads every MODEL_TYPE in
+torch, transformers and its sibling files (``check_imports``); tests/export/test_remote_code.py loads every MODEL_TYPE in
 a Python where siamesenorm and ai2-olmo cannot be imported and compares the logits with OLMo's.
 """
 
@@ -29,7 +29,7 @@ from .olmo_lite import unsupported
 
 __all__ = ["write_remote_code", "remote_refusal", "AUTO_MAP", "REWRITES", "check_imports", "CHECKED_TRANSFORMERS"]
 
-#: The transformers releases an export's remote code is tested under (tests/test_remote_code.py: greedy generation
+#: The transformers releases an export's remote code is tested under (tests/export/test_remote_code.py: greedy generation
 #: with the cache equal to generation without it, and to OLMo's): pyproject.toml's pin and its
 #: ``[tool.siamesenorm] transformers-newest``. An export's README and config.json name them.
 CHECKED_TRANSFORMERS = ("5.23.0", "5.24.0")

@@ -5,7 +5,7 @@ An export's variant files (siamesenorm/variants/*.py, copied with their ``olmo``
 ``OLMoSequentialBlock`` exactly as they do inside the package, so the update rules are the package's own; this
 file supplies what ai2-olmo would: the config as attributes, the norms, RoPE, the activations, the sequential
 block's projections and attention, and the model's forward with a key/value cache. Parameter names are OLMo's, so
-the checkpoint loads unchanged. tests/test_remote_code.py compares the logits with OLMo's for every MODEL_TYPE.
+the checkpoint loads unchanged. tests/export/test_remote_code.py compares the logits with OLMo's for every MODEL_TYPE.
 
 Inference and fine-tuning, not pretraining: no flash-attn, no activation checkpointing, no initialisation (every
 weight comes from the checkpoint). Unsupported options (``UNSUPPORTED``) are refused at export time.

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from olmo.tokenizer import Tokenizer
 
-from siamesenorm import data as D
+from siamesenorm.run import data as D
 from siamesenorm.run.data import DataPreparationError, PrepareSettings, is_validation, prepare
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOKENIZER = str(ROOT / "data" / "tokenizer-austen-2k.json")
 
 

@@ -5,7 +5,7 @@ import json
 import runpy
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_gpu_check_on_the_cpu_with_the_tiny_recipe(tmp_path):

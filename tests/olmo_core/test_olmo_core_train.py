@@ -16,7 +16,7 @@ import torch
 pytest.importorskip("siamesenorm.olmo_core.config")
 from conftest import tiny_config  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 STEPS = ["--max_duration=6", "--save_interval=3", "--device_train_microbatch_size=8"]
 
 

@@ -12,7 +12,7 @@ import yaml
 
 from siamesenorm.run.records import split_eval_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TASKS = ["piqa", "arc_easy"]  # a len_norm task and an acc task
 VAL = str(ROOT / "data" / "prepared" / "austen-2k" / "val" / "*.npy")
 

@@ -12,7 +12,7 @@ from olmo.train import cross_entropy_loss
 
 from siamesenorm.nn.loss import chunked_cross_entropy_loss
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _inputs(dtype, n=100, vocab=37):

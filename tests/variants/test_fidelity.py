@@ -14,7 +14,7 @@ from test_variants import ids, randomize
 from siamesenorm import build_model
 from siamesenorm.models.config import LEGACY_KNOBS, SiameseModelConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_defaults_are_the_official_codes():

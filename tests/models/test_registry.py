@@ -132,7 +132,7 @@ def test_a_variant_in_one_file_outside_the_package_trains_and_reaches_tables_and
 
     from test_training import SMALL, TINY, learnable_tokens
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     folder = tmp_path / "my-variants"
     folder.mkdir()
     (folder / "toy_scaled.py").write_text(THROWAWAY)

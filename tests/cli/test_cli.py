@@ -14,7 +14,7 @@ import pytest
 
 from siamesenorm.models.config import MODEL_TYPES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(str(p.relative_to(ROOT / "scripts")) for p in [*(ROOT / "scripts").glob("*.py"),
                                                                 *(ROOT / "scripts").glob("*/*.py")]
                  if p.name != "launch.py")

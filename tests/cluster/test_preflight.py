@@ -13,7 +13,7 @@ from siamesenorm.cluster.preflight import budget_tokens, largest_microbatch, pre
 from siamesenorm.perf import costmodel
 from siamesenorm.run.recipe import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = str(ROOT / "configs" / "tiny-cpu.yaml")
 OLMO_1B = str(ROOT / "configs" / "OLMo-1B-hybrid-2e-3.yaml")
 

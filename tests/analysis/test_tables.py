@@ -10,7 +10,7 @@ import pytest
 from siamesenorm.analysis.tables import build_table, format_lr, format_tokens, to_csv, to_latex, to_markdown
 from siamesenorm.run.records import read_record, write_record
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 LABELS = ("arc_easy", "arc_challenge", "hellaswag", "piqa", "winogrande", "openbook_qa", "basic_arithmetic")
 
 

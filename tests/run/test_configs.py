@@ -10,7 +10,7 @@ from olmo.model import OLMo
 from siamesenorm import MODEL_TYPES, build_model, num_params_from_config
 from siamesenorm.ai2_olmo.train import load_config
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 
@@ -26,7 +26,7 @@ def test_recipes_exist():
 def test_recipe_builds_for_every_model_type(path, model_type):
     cfg = load_config(str(path))
     assert cfg.model.model_type is None  # recipes leave the choice to MODEL_TYPE
-    if cfg.moe is not None:  # an MoE recipe: the OLMo-core path's (tests/test_olmo_core_moe.py checks its sizes)
+    if cfg.moe is not None:  # an MoE recipe: the OLMo-core path's (tests/olmo_core/test_olmo_core_moe.py checks its sizes)
         core_config = pytest.importorskip("siamesenorm.olmo_core.config")
         from siamesenorm.olmo_core.blocks import CORE_MOE_BLOCKS
 

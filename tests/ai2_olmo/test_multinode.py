@@ -12,8 +12,8 @@ from pathlib import Path
 
 from test_training import SMALL, TINY, learnable_tokens, losses, torchrun
 
-ROOT = Path(__file__).resolve().parents[1]
-FAKE_SLURM = Path(__file__).resolve().parent / "fake_slurm"
+ROOT = Path(__file__).resolve().parents[2]
+FAKE_SLURM = Path(__file__).resolve().parents[1] / "fake_slurm"
 
 
 def _args(data: Path, folder: Path):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
 
 # A model small enough for a few seconds of training; data it can learn: short repeated arithmetic patterns.

@@ -12,7 +12,7 @@ from conftest import tiny_config
 from siamesenorm import MODEL_TYPES, build_model
 from siamesenorm.ai2_olmo.trainer import compile_blocks
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture(autouse=True)

@@ -13,7 +13,7 @@ import torch
 from siamesenorm import MODEL_TYPES, build_model
 from siamesenorm.models import olmo_patch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 PATCH = ROOT / "changes.patch"
 CACHE = ROOT / ".cache" / "sdist"
 

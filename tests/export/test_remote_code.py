@@ -19,7 +19,7 @@ from siamesenorm.export.remote import AUTO_MAP, CHECKED_TRANSFORMERS, check_impo
 from siamesenorm.models.build import build_model
 from siamesenorm.models.config import MODEL_TYPES, SiameseModelConfig
 
-PACKAGE = Path(__file__).resolve().parents[1] / "siamesenorm"
+PACKAGE = Path(__file__).resolve().parents[2] / "siamesenorm"
 IDS = [5, 17, 99, 3, 50, 10, 7, 42]
 #: The newest transformers on PyPI when this was written, installed beside the pinned one by scripts/setup_env.sh
 #: (pyproject.toml, [tool.siamesenorm] transformers-newest): an export must generate right under both.

@@ -18,7 +18,7 @@ from siamesenorm.models.config import validate_model_config
 from siamesenorm.nn import fused
 from siamesenorm.perf import costmodel
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 #: Where scripts/setup_env.sh installs Triton for its interpreter (not into the environment: torch's CPU build
 #: does not expect it there).
 TRITON_TARGET = Path(sys.prefix) / "triton-interpreter"

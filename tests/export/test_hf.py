@@ -13,7 +13,7 @@ from conftest import HIDE_SIAMESENORM_AND_OLMO
 
 from siamesenorm.models.config import MODEL_TYPES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TINY = ROOT / "configs" / "tiny-cpu.yaml"
 SMALL = ["--model.d_model=32", "--model.n_heads=2", "--model.n_layers=2", "--model.max_sequence_length=32",
          "--global_train_batch_size=4", "--device_train_microbatch_size=4", "--max_duration=2",
