@@ -18,7 +18,6 @@ reason; the command line reports it and writes ``{"applies": false, "reason": ..
 from __future__ import annotations
 
 import contextlib
-import json
 import math
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
@@ -34,7 +33,7 @@ from siamesenorm.models.build import build_model
 from siamesenorm.run.checkpoints import checkpoint_folder, load_model  # noqa: F401  (re-exported: analysis.load_model)
 from siamesenorm.run.data import PrepareSettings, Skips, is_validation, iter_documents, load_tokenizer
 from siamesenorm.run.recipe import expand_paths, load_config
-from siamesenorm.run.records import RECORD_NAME, check_metrics_row, check_record, load_json_file
+from siamesenorm.run.records import RECORD_NAME, check_record, load_json_file, metrics_file, read_metrics_rows
 from siamesenorm.variants._base import TopologyBlock
 
 __all__ = [
@@ -320,20 +319,12 @@ def depth_probe(model: OLMo, batch: torch.Tensor, max_k: Optional[int] = None) -
 
 # ---- figures 2b, 4, 5, 8: curves from metrics.jsonl ------------------------------------------------------------------
 def read_metrics(run: str | Path) -> List[Dict]:
+    """The metrics rows of a run folder (metrics.jsonl, or a study's metrics.jsonl.gz) or of a metrics file."""
     path = Path(run)
-    path = path / "metrics.jsonl" if path.is_dir() else path
-    if not path.is_file():
+    found = metrics_file(path) if path.is_dir() else (path if path.is_file() else None)
+    if found is None:
         raise FileNotFoundError(f"{path}: no metrics file (runs write metrics.jsonl into their save_folder).")
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, RecursionError):
-                raise ValueError(f"{path}:{n}: not JSON; a metrics line was cut (the run may still be writing).") \
-                    from None
-            rows.append(check_metrics_row(row, f"{path}:{n}"))
-    return rows
+    return read_metrics_rows(found)
 
 
 def run_label(run: str | Path) -> str:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gzip
 import hashlib
 import json
 import os
@@ -27,9 +28,20 @@ __all__ = [
     "write_record",
     "read_record",
     "DOWNSTREAM_LABELS",
+    "METRICS_NAME",
+    "METRICS_COMPRESSED",
+    "metrics_file",
+    "read_metrics_rows",
+    "compress_metrics",
 ]
 
 RECORD_NAME = "run.json"
+#: A run writes its metrics as JSON lines; a study's results keep them gzip-compressed (the readers take either).
+METRICS_NAME = "metrics.jsonl"
+METRICS_COMPRESSED = METRICS_NAME + ".gz"
+#: A metrics file from elsewhere is read to at most this many bytes (decompressed): a bound, not a size any run
+#: here approaches (the longest study run's file is under 1 MB).
+MAX_METRICS_BYTES = 1 << 30
 RECORD_VERSION = 1
 
 #: OLMo downstream evaluator labels of the paper's Table 1, in its column order.
@@ -252,3 +264,52 @@ def read_record(path: str | Path) -> Dict[str, Any]:
         record["recipe_hash"] = recipe_hash(cfg)
         record.setdefault("seed", cfg.seed)
     return record
+
+
+def metrics_file(folder: str | Path) -> Optional[Path]:
+    """The run folder's metrics file: metrics.jsonl as the run writes it, else a study's metrics.jsonl.gz; None."""
+    for name in (METRICS_NAME, METRICS_COMPRESSED):
+        if (Path(folder) / name).is_file():
+            return Path(folder) / name
+    return None
+
+
+def read_metrics_rows(path: str | Path) -> list:
+    """Every row of a metrics file (.jsonl or .jsonl.gz), each checked as a metrics line; ValueError naming the
+    file and line for a cut line, a line of the wrong shape, or more than MAX_METRICS_BYTES of text."""
+    path = Path(path)
+    opener = gzip.open if path.suffix == ".gz" else open
+    rows, read = [], 0
+    try:
+        with opener(path, "rt", encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                read += len(line)
+                if read > MAX_METRICS_BYTES:
+                    raise ValueError(f"{path}: more than {MAX_METRICS_BYTES:,d} bytes of metrics; not a metrics file "
+                                     "of this project.")
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except (json.JSONDecodeError, RecursionError):
+                    raise ValueError(f"{path}:{n}: not JSON; a metrics line was cut (the run may still be "
+                                     "writing).") from None
+                rows.append(check_metrics_row(row, f"{path}:{n}"))
+    except (OSError, EOFError, UnicodeDecodeError) as err:
+        if isinstance(err, FileNotFoundError):
+            raise
+        raise ValueError(f"{path}: not a readable metrics file ({type(err).__name__}: {err}).") from None
+    return rows
+
+
+def compress_metrics(source: str | Path, target: str | Path) -> Path:
+    """``source`` (metrics.jsonl) gzip-compressed into ``target``, the same bytes for the same input (no name or
+    time in the header), written to a temporary file first so a kill leaves no half file."""
+    target = Path(target)
+    partial = target.with_name(target.name + ".partial")
+    with open(source, "rb") as f, open(partial, "wb") as raw:
+        with gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=9) as gz:
+            while chunk := f.read(1 << 20):
+                gz.write(chunk)
+    os.replace(partial, target)
+    return target

@@ -6,7 +6,6 @@ it as JSON and Markdown next to the figures, so the page can be regenerated as c
 
 from __future__ import annotations
 
-import json
 import math
 import statistics
 from pathlib import Path
@@ -32,22 +31,9 @@ from siamesenorm.analysis.figures import (
     stream_label,
 )
 from siamesenorm.analysis.tables import METHOD_NAMES, build_table, format_lr, method_name, to_markdown
-from siamesenorm.run.records import RECORD_NAME, check_metrics_row, check_record, load_json_file
+from siamesenorm.run.records import RECORD_NAME, check_record, load_json_file, metrics_file, read_metrics_rows
 
 __all__ = ["load_cells", "report", "figures"]
-
-def _metrics_rows(path: Path) -> List[Dict]:
-    if not path.is_file():
-        return []
-    rows = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(check_metrics_row(json.loads(line), f"{path}:{n}"))
-            except (json.JSONDecodeError, RecursionError):
-                raise ValueError(f"{path}:{n}: not JSON; a metrics line was cut.") from None
-    return rows
-
 
 def load_cells(results: str | Path) -> List[Dict]:
     """Every finished or diverged cell: its record, metrics rows and analyses. ValueError (one line, naming the
@@ -62,7 +48,8 @@ def load_cells(results: str | Path) -> List[Dict]:
         if record.get("status") not in ("finished", "diverged"):
             continue
         folder = record_path.parent
-        rows = _metrics_rows(folder / "metrics.jsonl")
+        metrics = metrics_file(folder)
+        rows = read_metrics_rows(metrics) if metrics else []
         file = folder / "analysis.json"
         analyses = load_json_file(file, "record of analyses") if file.is_file() else {}
         if not isinstance(analyses, dict):

@@ -5,7 +5,7 @@ A plan (YAML, e.g. configs/sweeps/study-cpu.yaml)::
 
     recipe: configs/study-cpu.yaml     # the recipe every cell trains
     runs: runs/study                   # checkpoints and full logs (not committed)
-    results: results/study-cpu         # what is kept per cell (committed): run.json, metrics.jsonl, analyses
+    results: results/study-cpu         # what is kept per cell (committed): run.json, metrics.jsonl.gz, analyses
     overrides: []                      # --key=value added to every cell
     groups:                            # cells = the product of each group's lists
       - {methods: [pre, hybrid_pre], learning_rates: [1e-2, 1e-1], seeds: [1]}
@@ -47,14 +47,14 @@ from typing import Dict, List, Optional
 from omegaconf import OmegaConf as om
 
 from siamesenorm.models.names import model_type_names
-from siamesenorm.run.records import RECORD_NAME
+from siamesenorm.run.records import METRICS_COMPRESSED, METRICS_NAME, RECORD_NAME, compress_metrics
 from siamesenorm.run.stability import EXIT_DIVERGED
 
 log = logging.getLogger(__name__)
 
 ROOT = Path(__file__).resolve().parents[2]
 FINAL = ("finished", "diverged")
-KEPT = (RECORD_NAME, "metrics.jsonl", "config.yaml")
+KEPT = (RECORD_NAME, METRICS_NAME, "config.yaml")
 
 
 @dataclass(frozen=True)
@@ -195,7 +195,9 @@ def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
                 steps[ckpt.name[4:].split("-")[0]] = analyse(ckpt, plan.analysis_sequences, plan.analysis_tokens)
             (out / "analysis-steps.json").write_text(json.dumps(steps, indent=1) + "\n")
     for name in KEPT:  # the record last: its presence marks the cell done
-        if name != RECORD_NAME and (run_dir / name).is_file():
+        if name == METRICS_NAME and (run_dir / name).is_file():  # kept compressed (a tenth of the bytes)
+            compress_metrics(run_dir / name, out / METRICS_COMPRESSED)
+        elif name != RECORD_NAME and (run_dir / name).is_file():
             shutil.copy2(run_dir / name, out / name)
     shutil.copy2(record_path, out / RECORD_NAME)
     if not keep_checkpoints:

@@ -655,3 +655,26 @@ class _StateTensor:
         storage = torch.storage.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
         args = (storage, 0, (3,), (1,), False, OrderedDict())
         return torch._tensor._rebuild_from_type_v2, (torch._utils._rebuild_tensor_v2, torch.Tensor, args, self.state)
+
+
+def test_a_compressed_metrics_file_is_read_bounded_and_a_broken_one_is_one_line(tmp_path, monkeypatch):
+    """Study results keep metrics.jsonl.gz; the readers take it, the same bytes for the same lines, and a gzip bomb or
+    a truncated file from elsewhere is one line, never an unbounded read."""
+    import gzip
+
+    from siamesenorm.run import records
+
+    plain = tmp_path / "metrics.jsonl"
+    plain.write_text("".join(json.dumps({"step": i, "loss": 5.0 - i / 10}) + "\n" for i in range(1, 40)))
+    first = records.compress_metrics(plain, tmp_path / "a.jsonl.gz").read_bytes()
+    assert records.compress_metrics(plain, tmp_path / "b.jsonl.gz").read_bytes() == first  # deterministic
+    assert records.read_metrics_rows(tmp_path / "a.jsonl.gz") == records.read_metrics_rows(plain)
+    monkeypatch.setattr(records, "MAX_METRICS_BYTES", 10_000)
+    bomb = tmp_path / "bomb.jsonl.gz"
+    bomb.write_bytes(gzip.compress(b"\n" * 1_000_000))  # 1 MB of text in about 1 kB
+    with pytest.raises(ValueError, match="more than 10,000 bytes of metrics"):
+        records.read_metrics_rows(bomb)
+    cut = tmp_path / "cut.jsonl.gz"
+    cut.write_bytes(first[: len(first) // 2])
+    with pytest.raises(ValueError, match="not a readable metrics file"):
+        records.read_metrics_rows(cut)

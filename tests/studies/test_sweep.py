@@ -1,5 +1,6 @@
 """The sweep driver on two tiny cells: runs them, keeps results and analyses, drops checkpoints, skips done cells."""
 
+import gzip
 import json
 import subprocess
 import sys
@@ -33,7 +34,9 @@ def test_sweep_runs_two_cells_then_skips_them(tmp_path):
         analyses = json.loads((out / "analysis.json").read_text())
         assert analyses["magnitudes"]["applies"] and analyses["depth"]["applies"]
         assert analyses["lens"]["applies"] == (cell.model_type == "hybrid_pre")
-        assert len((out / "metrics.jsonl").read_text().splitlines()) >= 6
+        kept = gzip.decompress((out / "metrics.jsonl.gz").read_bytes()).decode()  # kept compressed, same lines
+        assert kept == (tmp_path / "runs" / cell.name / "metrics.jsonl").read_text() and len(kept.splitlines()) >= 6
+        assert not (out / "metrics.jsonl").exists()
         assert not list((tmp_path / "runs" / cell.name).glob("step*"))  # checkpoints dropped after analysis
     second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "2 cells, 2 done, 0 to run" in second.stdout
@@ -44,7 +47,8 @@ def test_sweep_runs_two_cells_then_skips_them(tmp_path):
     assert report.returncode == 0, report.stderr[-3000:]
     summary = json.loads((tmp_path / "report" / "report.json").read_text())
     assert summary["cells"] == 2 and set(summary["grid"]) == {"Pre-Norm", "SiameseNorm"}
-    rows = [json.loads(line) for line in (tmp_path / "results" / "pre-lr0.01-s1" / "metrics.jsonl").read_text().splitlines()]
+    kept = tmp_path / "results" / "pre-lr0.01-s1" / "metrics.jsonl.gz"
+    rows = [json.loads(line) for line in gzip.decompress(kept.read_bytes()).decode().splitlines()]
     grads = sorted(r["grad_norm"] for r in rows if "grad_norm" in r and r["step"] > 2)  # after the 2 warmup steps
     assert summary["grid"]["Pre-Norm"]["1e-2"]["grad_norm_max_after_warmup"] == grads[-1]
     assert summary["grid"]["Pre-Norm"]["1e-2"]["seeds"] == 1
