@@ -1,8 +1,8 @@
 """The CPU study's table, figures and per-claim numbers from the sweep's results (siamesenorm/studies/lr_grid.py).
 
-  python scripts/study_report.py results/study-cpu --output docs/figures/study
-  (writes study-*.png, report.json and table.md into --output; docs/results-cpu.md quotes them)
-  python scripts/study_report.py results/study-v2 --v2 --earlier results/study-cpu --output docs/figures/study-v2
+  python scripts/study_report.py studies/cpu-lr-grid/results --output studies/cpu-lr-grid/figures
+  (writes study-*.png, report.json and table.md into --output; studies/cpu-lr-grid/README.md quotes them)
+  python scripts/study_report.py studies/cpu-depth-dynamics/results --v2 --earlier studies/cpu-lr-grid/results --output studies/cpu-depth-dynamics/figures
   (the second part, the paper's second version: v2-*.png and report.json; siamesenorm/studies/depth_and_dynamics.py)
 """
 
@@ -18,7 +18,7 @@ def main(argv=None) -> int:
     parser.add_argument("--output", required=True, help="folder for the figures, report.json and table.md")
     parser.add_argument("--format", choices=["png", "pdf", "svg"], default="png", help="figure file format")
     parser.add_argument("--smooth", type=int, default=20, help="moving-average window of the curves, in steps")
-    parser.add_argument("--v2", action="store_true", help="the second part's report (configs/sweeps/study-v2.yaml)")
+    parser.add_argument("--v2", action="store_true", help="the second part's report (studies/cpu-depth-dynamics/sweep.yaml)")
     parser.add_argument("--earlier", help="with --v2: the first study's results, for the seed groups it completes")
     args = parser.parse_args(argv)
     if not Path(args.results).is_dir():

@@ -1,8 +1,8 @@
 """Run a sweep plan (methods x learning rates x seeds over one recipe), a few processes at a time; rerunning it
 continues where it stopped. Logic and plan format: siamesenorm/studies/sweep.py.
 
-  python scripts/sweep.py configs/sweeps/study-cpu.yaml            # every cell not done yet, 2 at a time
-  python scripts/sweep.py configs/sweeps/study-cpu.yaml --list     # the cells and their status
+  python scripts/sweep.py studies/cpu-lr-grid/sweep.yaml            # every cell not done yet, 2 at a time
+  python scripts/sweep.py studies/cpu-lr-grid/sweep.yaml --list     # the cells and their status
 """
 
 import argparse
@@ -14,7 +14,7 @@ from siamesenorm.studies.sweep import PlanError, load_plan, run_plan, status, st
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("plan", help="the sweep plan (YAML), e.g. configs/sweeps/study-cpu.yaml")
+    parser.add_argument("plan", help="the sweep plan (YAML), e.g. studies/cpu-lr-grid/sweep.yaml")
     parser.add_argument("--parallel", type=int, default=2, help="training processes at a time (one core each)")
     parser.add_argument("--only", nargs="*", help="run only these cells (names as --list prints them)")
     parser.add_argument("--list", action="store_true", help="print the cells and their status, run nothing")

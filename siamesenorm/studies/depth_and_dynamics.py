@@ -1,6 +1,6 @@
-"""The CPU study's second part: the paper v2's claims at small scale, from configs/sweeps/study-v2.yaml.
+"""The CPU study's second part: the paper v2's claims at small scale, from studies/cpu-depth-dynamics/sweep.yaml.
 
-``report(results)`` gives every number docs/results-cpu.md part 2 quotes; ``figures`` draws PPL against depth, the
+``report(results)`` gives every number studies/cpu-depth-dynamics/README.md quotes; ``figures`` draws PPL against depth, the
 fusion weights and logit lens over training, and the massive activations per layer. Cells are read with
 study.load_cells; each cell's shape and schedule come from its saved config.yaml (ours, written by the run).
 """

@@ -1,6 +1,6 @@
 """The CPU study's report: from the sweep's results folder to the table, the figures and the seven claims' numbers.
 
-Every number docs/results-cpu.md quotes comes from ``report(results)``; ``python scripts/study_report.py`` writes
+Every number studies/cpu-lr-grid/README.md quotes comes from ``report(results)``; ``python scripts/study_report.py`` writes
 it as JSON and Markdown next to the figures, so the page can be regenerated as cells finish.
 """
 
@@ -41,7 +41,7 @@ def load_cells(results: str | Path) -> List[Dict]:
     holds no cell at all."""
     if not any(Path(results).glob(f"*/{RECORD_NAME}")):
         raise ValueError(f"{results}: no cell folders with a {RECORD_NAME}; not a sweep's results folder (the "
-                         "plan's results:, e.g. results/study-cpu).")
+                         "plan's results:, e.g. studies/cpu-lr-grid/results).")
     cells = []
     for record_path in sorted(Path(results).glob(f"*/{RECORD_NAME}")):
         record = check_record(load_json_file(record_path, "run record"), record_path)
@@ -74,7 +74,7 @@ def _post_warmup(cell: Dict, key: str) -> List[float]:
 
 
 def report(results: str | Path) -> Dict:
-    """The table and, per claim, the numbers it is judged on (no verdicts: docs/results-cpu.md states them)."""
+    """The table and, per claim, the numbers it is judged on (no verdicts: studies/cpu-lr-grid/README.md states them)."""
     cells = load_cells(results)
     by = {}
     for c in cells:

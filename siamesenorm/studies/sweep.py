@@ -1,11 +1,11 @@
 """A sweep of methods x learning rates x seeds over one recipe, run a few processes at a time, resumable across
 sessions, with the analyses that need a checkpoint computed right after each run so checkpoints need not be kept.
 
-A plan (YAML, e.g. configs/sweeps/study-cpu.yaml)::
+A plan (YAML, e.g. studies/cpu-lr-grid/sweep.yaml)::
 
     recipe: configs/study-cpu.yaml     # the recipe every cell trains
     runs: runs/study                   # checkpoints and full logs (not committed)
-    results: results/study-cpu         # what is kept per cell (committed): run.json, metrics.jsonl.gz, analyses
+    results: studies/cpu-lr-grid/results         # what is kept per cell (committed): run.json, metrics.jsonl.gz, analyses
     overrides: []                      # --key=value added to every cell
     groups:                            # cells = the product of each group's lists
       - {methods: [pre, hybrid_pre], learning_rates: [1e-2, 1e-1], seeds: [1]}
