@@ -4,6 +4,7 @@ import gzip
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from test_training import ROOT, SMALL, TINY, learnable_tokens
 
@@ -90,3 +91,20 @@ def test_v2_plan_groups_knobs_settings_and_checkpoints_over_time(tmp_path):
     top = massive["massive"]["residual"]
     assert len(top["ratio"]) == 5 and all(r >= 1 for r in top["ratio"])  # embedding + 4 layers; max >= median
     assert all(t[0] >= t[-1] for t in top["top"])
+
+
+def test_each_study_folder_holds_its_plan_results_figures_and_page():
+    """studies/<study>/: the plan loads, its results: points into the folder, every committed cell is one of the
+    plan's cells (with its record and compressed metrics), and the page names the figures it shows."""
+    studies = sorted(p.parent for p in (ROOT / "studies").glob("*/sweep.yaml"))
+    assert [s.name for s in studies] == ["cpu-depth-dynamics", "cpu-lr-grid"]
+    for study in studies:
+        plan = load_plan(str(study / "sweep.yaml"))
+        assert Path(plan.results).resolve() == (study / "results").resolve(), plan.results
+        committed = {p.name for p in (study / "results").iterdir() if p.is_dir()}
+        assert committed and committed <= {c.name for c in plan.cells}, committed - {c.name for c in plan.cells}
+        for cell in committed:
+            assert (study / "results" / cell / "run.json").is_file()
+            assert (study / "results" / cell / "metrics.jsonl.gz").is_file(), cell
+        page = (study / "README.md").read_text()
+        assert any(f.name in page for f in (study / "figures").glob("*.png")), study.name
