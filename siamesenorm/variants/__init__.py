@@ -25,6 +25,18 @@ __all__ = ["VARIANTS", "KNOBS", "KNOB_OWNERS", "TABLE_ORDER", "Variant", "Knob"]
 #: The environment variable naming folders of variant files kept outside the package.
 EXTRA_VARIANTS_VARIABLE = "SIAMESENORM_VARIANTS"
 
+#: Modules a variant file kept outside the package may have imported before the package was grouped by concern
+#: (docs/architecture.md), and where each lives now: such a file gets one line saying which import to change.
+MOVED_MODULES = {
+    "siamesenorm.config": "siamesenorm.models.config", "siamesenorm.model": "siamesenorm.models.build",
+    "siamesenorm.registry": "siamesenorm.models.registry", "siamesenorm.catalog": "siamesenorm.models.names",
+    "siamesenorm.loss": "siamesenorm.nn.loss", "siamesenorm.records": "siamesenorm.run.records",
+    "siamesenorm.stability": "siamesenorm.run.stability", "siamesenorm.runconfig": "siamesenorm.run.recipe",
+    "siamesenorm.train": "siamesenorm.ai2_olmo.train", "siamesenorm.trainer": "siamesenorm.ai2_olmo.trainer",
+    "siamesenorm.figures": "siamesenorm.analysis.figures", "siamesenorm.tables": "siamesenorm.analysis.tables",
+    "siamesenorm.analysis": "siamesenorm.analysis.probes", "siamesenorm.hf": "siamesenorm.export.hf",
+}
+
 
 def _add_extra_folders() -> None:
     """Put the folders of ``SIAMESENORM_VARIANTS`` on this package's search path (after its own folder)."""
@@ -46,7 +58,14 @@ def _discover() -> Dict[str, Variant]:
     for info in pkgutil.iter_modules(__path__):
         if info.name.startswith("_") or info.name == "spec":
             continue
-        module = importlib.import_module(f"{__name__}.{info.name}")
+        try:
+            module = importlib.import_module(f"{__name__}.{info.name}")
+        except ModuleNotFoundError as err:
+            if err.name not in MOVED_MODULES:
+                raise
+            raise ImportError(f"{Path(info.module_finder.path) / (info.name + '.py')} imports {err.name}, which is "
+                              f"now {MOVED_MODULES[err.name]} (the package is grouped by concern: "
+                              "docs/architecture.md); change that import") from None
         variant = getattr(module, "VARIANT", None)
         if not isinstance(variant, Variant) or variant.name != info.name:
             raise ImportError(

@@ -56,6 +56,8 @@ def test_a_new_file_is_a_new_variant(monkeypatch, tmp_path):
     ("toy_order", "from siamesenorm.variants.spec import Variant\n"
      "VARIANT = Variant(name='toy_order', display_name='T', colour='k', block=None, order=5)\n",
      "two VARIANTs share order 5"),
+    ("toy_moved", "from siamesenorm.config import knob\n",
+     "toy_moved.py imports siamesenorm.config, which is now siamesenorm.models.config .*change that import"),
 ])
 def test_a_broken_variant_file_is_named(monkeypatch, tmp_path, name, source, message):
     with pytest.raises(ImportError, match=message):
