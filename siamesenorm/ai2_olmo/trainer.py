@@ -37,6 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from siamesenorm.nn.loss import chunked_cross_entropy_loss
 from siamesenorm.run.console import eval_line, step_line
+from siamesenorm.run.process import pin_cpu_threads
 from siamesenorm.run.recipe import RunError, SiameseTrainConfig
 from siamesenorm.run.records import split_eval_metrics, write_record
 from siamesenorm.run.stability import Diverged, StabilityMonitor
@@ -282,9 +283,7 @@ def init_distributed() -> torch.device:
         device, backend = torch.device("cuda"), "nccl"
     else:
         device, backend = torch.device("cpu"), "gloo"
-        if "OMP_NUM_THREADS" not in os.environ:
-            # ai2-olmo on CPU: small models ran far slower with 2 intra-op threads than with 1 (docs/training.md).
-            torch.set_num_threads(1)
+        pin_cpu_threads()
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, timeout=timedelta(minutes=30))
     return device

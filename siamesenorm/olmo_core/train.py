@@ -35,6 +35,7 @@ from olmo_core.train.train_module import TransformerDataParallelConfig, Transfor
 
 from siamesenorm.olmo_core.config import enum_value, transformer_config  # checks the OLMo-core release first
 from siamesenorm.run.folder import FINGERPRINT_NAME, check_same_data, data_fingerprint
+from siamesenorm.run.process import pin_cpu_threads
 from siamesenorm.run.recipe import check_batch_split, check_data, load_config, validate_run
 from siamesenorm.run.safeload import checked_olmo_core_loads
 
@@ -176,6 +177,7 @@ def main(recipe: str, overrides: List[str]) -> None:
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     # CPU: gloo only, and no async bookkeeping (on a gloo-only group its metric reduction never returned here)
     backend = ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo") if world_size > 1 else None
+    pin_cpu_threads()  # before OLMo-core's set-up, which would set OMP_NUM_THREADS=8 on any machine
     prepare_training_environment(seed=cfg.seed, backend=backend)
     try:
         model_config, train_module_config, data_config, loader_config, trainer_config = build_components(cfg, world_size)
