@@ -36,7 +36,7 @@ from olmo_core.train.train_module import TransformerDataParallelConfig, Transfor
 from siamesenorm.olmo_core.config import enum_value, transformer_config  # checks the OLMo-core release first
 from siamesenorm.run.folder import FINGERPRINT_NAME, check_same_data, data_fingerprint
 from siamesenorm.run.process import pin_cpu_threads
-from siamesenorm.run.recipe import check_batch_split, check_data, load_config, validate_run
+from siamesenorm.run.recipe import RunError, check_batch_split, check_data, load_config, validate_run
 from siamesenorm.run.safeload import checked_olmo_core_loads
 
 log = logging.getLogger(__name__)
@@ -128,7 +128,7 @@ def build_components(cfg, world_size: int = 1):
     no_decay = no_decay_names(model_config.build(init_device="meta"), cfg)
     optim = AdamWConfig(lr=opt.learning_rate, weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps,
                         group_overrides=[OptimGroupOverride(params=no_decay, opts=dict(weight_decay=0.0))])
-    scheduler = CosWithWarmup(warmup=int(cfg.scheduler.t_warmup), alpha_f=cfg.scheduler.alpha_f)
+    scheduler = scheduler_config(cfg)
     train_module = TransformerTrainModuleConfig(
         rank_microbatch_size=cfg.device_train_microbatch_size * seq, max_sequence_length=seq, optim=optim,
         scheduler=scheduler, max_grad_norm=cfg.max_grad_norm, z_loss_multiplier=None,
@@ -169,6 +169,21 @@ def keep_data_fingerprint(cfg) -> None:
     elif get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
         (folder / FINGERPRINT_NAME).write_text(json.dumps(data_fingerprint(cfg), indent=1) + "\n")
+
+
+def scheduler_config(cfg) -> CosWithWarmup:
+    """The recipe's ``scheduler:`` as OLMo-core's scheduler, every field our recipes set: ai2-olmo's
+    ``cosine_with_warmup`` (linear warmup from ``warmup_min_lr``, which ai2-olmo takes as 0.1 x lr when unset,
+    then a cosine to ``alpha_f`` x lr at ``t_max`` or the run's end) is OLMo-core's ``CosWithWarmup`` with the same
+    formula. Any other scheduler is refused in one line rather than trained as a cosine."""
+    sched, lr = cfg.scheduler, cfg.optimizer.learning_rate
+    name, units = enum_value(sched.name), enum_value(sched.units)
+    if name != "cosine_with_warmup" or units != "steps":
+        raise RunError(f"scheduler {name} in {units}: the OLMo-core path maps cosine_with_warmup in steps only "
+                       "(the recipes' scheduler); use scripts/train.py for this one.")
+    warmup_min_lr = sched.warmup_min_lr if sched.warmup_min_lr is not None else 0.1 * lr  # ai2-olmo's default
+    return CosWithWarmup(warmup=int(sched.t_warmup), alpha_f=sched.alpha_f, warmup_min_lr=warmup_min_lr,
+                         t_max=None if sched.t_max is None else int(sched.t_max))
 
 
 def main(recipe: str, overrides: List[str]) -> None:
