@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import re
 from dataclasses import dataclass, field
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 from olmo_core.nn.attention import AttentionConfig
@@ -74,6 +74,10 @@ class SiameseTransformerConfig(TransformerConfig):
     feed-forward weights of every block and offers no per-block hook. Its parameter counts (the one OLMo-core
     logs before building, the active count of an MoE) include the variant's own parameters."""
 
+    olmo_init: Optional[Dict[str, Any]] = None
+    """The recipe's initialisation as ai2-olmo 0.6.0 reads it (``model.init_fn`` and its fields, ``olmo_init``
+    below); applied after OLMo-core's own init, so every matrix ai2-olmo initialises gets its distribution."""
+
     @property
     def num_params(self) -> int:
         """All parameters, ours too (OLMo-core's count knows only its own block types)."""
@@ -96,17 +100,93 @@ class SiameseTransformerConfig(TransformerConfig):
 
     def build(self, *, init_device: str = "cpu"):
         model = super().build(init_device=init_device)
-        if any(hasattr(block, "scale_init") for block in model.blocks.values()):
-            model.init_weights = functools.partial(_init_then_scale, model.init_weights, model)
+        model.init_weights = functools.partial(_init_as_recipe, model.init_weights, model, self.olmo_init)
         return model
 
 
-def _init_then_scale(init_weights, model, *args, **kwargs):
+def _init_as_recipe(init_weights, model, olmo_init: Optional[Dict[str, Any]], *args, **kwargs):
+    """OLMo-core's init, then ai2-olmo's distribution for every matrix it initialises, then the variants' scaling
+    (DeepNorm's beta, hc's output scaling), in the order the ai2-olmo path applies them."""
     generator = init_weights(*args, **kwargs)
+    if olmo_init is not None:
+        apply_olmo_init(model, olmo_init, generator)
     for block in model.blocks.values():
         if hasattr(block, "scale_init"):
             block.scale_init()
     return generator
+
+
+# ---- ai2-olmo's initialisation, per tensor ------------------------------------------------------------------------
+#: OLMo-core parameter name -> the role ai2-olmo 0.6.0's reset_parameters gives its counterpart.
+_INIT_ROLES = (
+    (re.compile(r"^embeddings\.weight$"), "embedding"),
+    (re.compile(r"^blocks\.(\d+)\.attention\.w_[qkv]\.weight$"), "input"),  # ai2-olmo's fused att_proj
+    (re.compile(r"^blocks\.(\d+)\.feed_forward\.w[13]\.weight$"), "input"),  # its fused ff_proj
+    (re.compile(r"^blocks\.(\d+)\.attention\.w_out\.weight$"), "attention_output"),
+    (re.compile(r"^blocks\.(\d+)\.feed_forward\.w2\.weight$"), "mlp_output"),
+    (re.compile(r"^lm_head\.w_out\.weight$"), "head"),
+)
+
+
+def olmo_init_fields(model_config) -> Dict[str, Any]:
+    """What ai2-olmo's initialisation reads from a model config."""
+    return {"init_fn": enum_value(model_config.init_fn), "init_std": float(model_config.init_std),
+            "init_cutoff_factor": model_config.init_cutoff_factor, "emb_init_std": model_config.emb_init_std,
+            "scale_emb_init": bool(model_config.scale_emb_init), "d_model": int(model_config.d_model),
+            "n_layers": int(model_config.n_layers)}
+
+
+def olmo_init_spec(name: str, fan_in: int, fields: Dict[str, Any]) -> Optional[Tuple[float, Optional[float]]]:
+    """(std, cutoff in stds or None for an untruncated normal) that ai2-olmo 0.6.0 draws the OLMo-core tensor
+    ``name`` from (olmo/model.py reset_parameters of OLMo, OLMoBlock and OLMoSequentialBlock; ``fan_in``: the
+    tensor's input features); None for a tensor ai2-olmo does not initialise that way (norms, MoE, our own)."""
+    role, layer = None, 0
+    for pattern, kind in _INIT_ROLES:
+        match = pattern.match(name)
+        if match:
+            role, layer = kind, int(match.group(1)) if match.groups() else 0
+            break
+    if role is None:
+        return None
+    fn, std, d, n = fields["init_fn"], fields["init_std"], fields["d_model"], fields["n_layers"]
+    cutoff = fields["init_cutoff_factor"]
+    if fn == "normal":
+        table = {"embedding": fields["emb_init_std"] or std, "input": std, "attention_output": std,
+                 "mlp_output": std, "head": std}
+        return table[role], cutoff
+    if fn == "mitchell":
+        table = {"embedding": fields["emb_init_std"] or d ** -0.5, "input": d ** -0.5,
+                 "attention_output": (2 * d * (layer + 1)) ** -0.5, "mlp_output": (2 * fan_in * (layer + 1)) ** -0.5,
+                 "head": d ** -0.5}
+        return table[role], cutoff or 3.0
+    if fn == "full_megatron":
+        embedding = fields["emb_init_std"] if fields["emb_init_std"] is not None else \
+            std * d ** 0.5 if fields["scale_emb_init"] else std
+        table = {"embedding": embedding, "input": std, "attention_output": std / (2.0 * n) ** 0.5,
+                 "mlp_output": std / (2.0 * n) ** 0.5, "head": d ** -0.5}
+        return table[role], cutoff or 3.0
+    raise ValueError(f"model.init_fn {fn} has no OLMo-core mapping here; use normal, mitchell or full_megatron")
+
+
+@torch.no_grad()
+def apply_olmo_init(model: torch.nn.Module, fields: Dict[str, Any], generator: torch.Generator) -> None:
+    """Every matrix ai2-olmo initialises drawn as it draws it (truncated at the same cutoff); the biases of those
+    layers zero, as ai2-olmo's init_normal leaves them."""
+    modules = dict(model.named_modules())
+    for name, param in model.named_parameters():
+        fan_in = param.shape[-1] if param.dim() == 2 else 0
+        spec = olmo_init_spec(name, fan_in, fields)
+        if spec is None:
+            continue
+        std, cutoff = spec
+        if cutoff is None:
+            torch.nn.init.normal_(param, mean=0.0, std=std, generator=generator)
+        else:
+            torch.nn.init.trunc_normal_(param, mean=0.0, std=std, a=-cutoff * std, b=cutoff * std,
+                                        generator=generator)
+        bias = getattr(modules.get(name.rsplit(".", 1)[0]), "bias", None)
+        if isinstance(bias, torch.nn.Parameter):
+            torch.nn.init.zeros_(bias)
 
 
 def _norm_config(model_config, elementwise_affine: Optional[bool] = None) -> LayerNormConfig:
@@ -178,7 +258,8 @@ def transformer_config(model_config, model_type: Optional[str] = None, moe=None)
         name=TransformerType.default if moe is None else TransformerType.moe, d_model=model_config.d_model, vocab_size=vocab, n_layers=model_config.n_layers, block=block,
         lm_head=LMHeadConfig(layer_norm=_norm_config(model_config), bias=model_config.include_bias),
         embedding_norm=_norm_config(model_config) if model_config.embedding_layer_norm else None,
-        init_std=model_config.init_std, tie_word_embeddings=bool(model_config.weight_tying))
+        init_std=model_config.init_std, tie_word_embeddings=bool(model_config.weight_tying),
+        olmo_init=olmo_init_fields(model_config) if moe is None else None)
 
 
 # ---- weights ---------------------------------------------------------------------------------------------------
