@@ -211,7 +211,7 @@ def test_every_analysis_figure_says_log_scale_and_numbers_layers_one_way(tmp_pat
     import matplotlib
 
     matplotlib.use("Agg")
-    from siamesenorm.analysis.probes import figures
+    from siamesenorm.analysis import figures
 
     figs = {}
     monkeypatch.setattr(figures, "save", lambda fig, path, caption="", **kw: figs.setdefault(Path(path).stem, fig))
