@@ -13,6 +13,8 @@ import sys
 from pathlib import Path
 from typing import Dict, List, Tuple
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 QUOTE = re.compile(r"(\d+\.\d+)<!-- quickstart (\w+) (val_perplexity|final_train_loss) -->")
 TOLERANCE = 0.05
@@ -50,6 +52,7 @@ def test_the_docs_check_catches_a_planted_wrong_number(tmp_path):
                                              "88.28"]
 
 
+@pytest.mark.slow
 def test_the_docs_quote_the_quickstart_as_it_runs_now(tmp_path, austen_prepared):
     found = quotes(doc_files())
     assert found, "no marked quickstart figure in the docs: the check would pass vacuously"

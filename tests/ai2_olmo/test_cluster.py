@@ -64,6 +64,7 @@ def checkpointed_mixln(tmp_path_factory, data):
 
 
 # ---- 1. wandb ---------------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_wandb_offline_through_launch_exits_0_with_one_run_folder(tmp_path, data):
     folder = tmp_path / "run"
     proc = subprocess.run(
@@ -102,6 +103,7 @@ def start_and_kill_at(args, folder: Path, step: int) -> tuple[int, str]:
     return code, log.read_text()
 
 
+@pytest.mark.slow
 def test_killed_run_is_recorded_and_a_rerun_resumes_without_duplicate_steps(tmp_path, data):
     folder = tmp_path / "run"
     args = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=400", "--save_interval_unsharded=5",
@@ -120,6 +122,7 @@ def test_killed_run_is_recorded_and_a_rerun_resumes_without_duplicate_steps(tmp_
     assert done["attempts"][0]["resumed_at_step"] % 5 == 0
 
 
+@pytest.mark.slow
 def test_rerun_after_a_failed_start_starts_fresh(tmp_path, data):
     folder = tmp_path / "run"
     args = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=400", "--save_interval_unsharded=1000"]
@@ -131,6 +134,7 @@ def test_rerun_after_a_failed_start_starts_fresh(tmp_path, data):
     assert record(folder)["status"] == "finished" and "attempts" not in record(folder)
 
 
+@pytest.mark.slow
 def test_save_overwrite_leaves_no_trace_of_the_old_run(tmp_path, data):
     folder = tmp_path / "run"
     base = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--save_interval_unsharded=3"]
@@ -162,6 +166,7 @@ def poisoned_copy(source: Path, tmp_path: Path, file: str) -> tuple[Path, Path]:
     return folder, marker
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("file", ["model.pt", "train.pt"])
 def test_crafted_pickle_payload_is_refused_and_never_runs(tmp_path, checkpointed_mixln, file):
     folder, marker = poisoned_copy(checkpointed_mixln / "step4-unsharded", tmp_path, file)
@@ -180,6 +185,7 @@ def test_crafted_pickle_payload_is_refused_and_never_runs(tmp_path, checkpointed
 
 
 # ---- 4. resume with another knob or size ---------------------------------------------------------------------------
+@pytest.mark.slow
 def test_resume_with_another_knob_or_size_stops_before_any_step(checkpointed_mixln, data):
     base = [f"--data.paths=[{data}]", f"--save_folder={checkpointed_mixln}", "--try_load_latest_save",
             "--max_duration=6"]
@@ -192,6 +198,7 @@ def test_resume_with_another_knob_or_size_stops_before_any_step(checkpointed_mix
 
 
 # ---- 8. token files against their manifest -------------------------------------------------------------------------
+@pytest.mark.slow
 def test_token_id_beyond_vocab_is_one_line_naming_the_file(tmp_path):
     bad = tmp_path / "bad.npy"
     tokens = np.asarray(np.arange(4096) % 60, dtype=np.uint16)
@@ -256,6 +263,7 @@ def test_bad_values_are_one_line_from_dry_run(tmp_path, data, overrides, expecte
     assert expected in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_yaml_error_and_data_folder_are_one_line(tmp_path, data):
     bad_yaml = tmp_path / "bad.yaml"
     bad_yaml.write_text(TINY.read_text().replace("d_model: 128", "d_model: [128"))
@@ -266,6 +274,7 @@ def test_yaml_error_and_data_folder_are_one_line(tmp_path, data):
     assert f"{data.parent} is a folder" in error_line(proc)
 
 
+@pytest.mark.slow
 def test_dry_run_says_what_a_real_start_would_do(checkpointed_mixln, data):
     proc = train([f"--data.paths=[{data}]", f"--save_folder={checkpointed_mixln}", "--try_load_latest_save",
                   "--model.mixln_post_fraction=0.5", "--dry-run"], MODEL_TYPE="mixln")

@@ -27,6 +27,7 @@ def _loss(model, ids):
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_every_block_compiles_fullgraph_and_matches_eager(model_type):
     eager = build_model(tiny_config(n_layers=2), model_type)
@@ -49,6 +50,7 @@ def test_every_block_compiles_fullgraph_and_matches_eager(model_type):
     assert set(compiled.state_dict()) == set(eager.state_dict())
 
 
+@pytest.mark.slow
 def test_a_run_with_compile_trains_through_the_trainer_like_eager(tmp_path, monkeypatch, austen_prepared):
     from siamesenorm.ai2_olmo.train import main
 
@@ -90,6 +92,7 @@ def _relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-12))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["pre", "hybrid_pre", "post_pre", "hc"])
 def test_compiled_blocks_match_eager_at_the_recipes_precision(model_type):
     """The 1.3B recipe's model settings (RMSNorm with affine, SwiGLU, RoPE, recompute as the recipe sets it), cut to

@@ -10,6 +10,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 from test_training import SMALL, TINY, learnable_tokens, losses, torchrun
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -56,6 +57,7 @@ def test_generated_sbatch_line_is_one_torchrun_per_node_with_c10d_rendezvous():
         gpus_per_node=8, model_type="hybrid_pre"), "regenerate it with scripts/slurm/make_sbatch.py (its docstring)"
 
 
+@pytest.mark.slow
 def test_two_nodes_killed_one_stops_the_job_and_a_resubmission_ends_as_an_uninterrupted_run(tmp_path):
     from siamesenorm.cluster.slurm import sbatch_script
 
@@ -92,6 +94,7 @@ def test_two_nodes_killed_one_stops_the_job_and_a_resubmission_ends_as_an_uninte
     assert [parts[s] for s in range(1, 41)] == [full[s] for s in range(1, 41)]  # exactly, step by step
 
 
+@pytest.mark.slow
 def test_torchrun_nnodes_2_on_localhost_as_the_docs_show(tmp_path):
     data = learnable_tokens(tmp_path / "data" / "train.npy")
     folder = tmp_path / "run"

@@ -64,6 +64,7 @@ def final_weights(folder: Path, strategy: str, step: int):
     return load_model_state(folder / (f"step{step}-unsharded" if strategy == "ddp" else f"step{step}"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,model_type", [("ddp", "hybrid_pre"), ("fsdp", "hc")])
 def test_torchrun_train_save_resume_is_exact(tmp_path, strategy, model_type):
     data = learnable_tokens(tmp_path / "data" / "train.npy")
@@ -100,6 +101,7 @@ def test_torchrun_train_save_resume_is_exact(tmp_path, strategy, model_type):
         assert guard["recent"] == pytest.approx([full[s] for s in range(1, 17)], rel=1e-6)  # steps 1-8 from step8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy,model_type", [("ddp", "deepnorm"), ("ddp", "residual"), ("ddp", "mixln"),
                                                  ("ddp", "peri"), ("fsdp", "mhc"), ("ddp", "hybrid_star"),
                                                  ("ddp", "pre_embednorm")])
@@ -115,6 +117,7 @@ def test_added_variants_train_through_olmos_trainer(tmp_path, strategy, model_ty
     assert record["status"] == "finished" and record["model_type"] == model_type
 
 
+@pytest.mark.slow
 def test_resume_with_contradicting_model_type_fails_before_any_step(tmp_path):
     data = learnable_tokens(tmp_path / "train.npy")
     args = [TINY, *SMALL, f"--data.paths=[{data}]", "--max_duration=2", "--save_interval_unsharded=2",
@@ -130,6 +133,7 @@ def test_resume_with_contradicting_model_type_fails_before_any_step(tmp_path):
     assert "MODEL_TYPE=post_pre" in ok.stdout + ok.stderr
 
 
+@pytest.mark.slow
 def test_missing_data_path_says_how_to_prepare(tmp_path):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "train.py"), str(TINY), f"--data.paths=[{tmp_path}/none/*.npy]",
@@ -141,6 +145,7 @@ def test_missing_data_path_says_how_to_prepare(tmp_path):
     assert not (tmp_path / "run").exists()  # failed before writing anything
 
 
+@pytest.mark.slow
 def test_dry_run_prints_config_and_parameter_count(austen_prepared):
     proc = subprocess.run(
         [sys.executable, str(ROOT / "scripts" / "train.py"), str(TINY), "--dry-run"],

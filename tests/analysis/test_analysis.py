@@ -126,6 +126,7 @@ def test_removing_layers_is_a_real_change_and_removing_none_is_the_model(model_t
 
 
 # ---- on a trained checkpoint, through the command line --------------------------------------------------------------
+@pytest.mark.slow
 def test_depth_probe_with_no_layer_removed_reproduces_the_runs_perplexity(trained, tmp_path):
     run, val = trained
     record = json.loads((run / "run.json").read_text())
@@ -137,6 +138,7 @@ def test_depth_probe_with_no_layer_removed_reproduces_the_runs_perplexity(traine
     assert (tmp_path / "depth.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.slow
 def test_cli_tools_on_the_trained_run(trained, tmp_path):
     run, val = trained
     for tool in ("magnitudes", "lens", "stream-ratios"):
@@ -156,12 +158,14 @@ def test_cli_tools_on_the_trained_run(trained, tmp_path):
         assert curve["steps"] == logged and all(v is None or v > 0 for v in curve[key])
 
 
+@pytest.mark.slow
 def test_cli_not_applicable_is_reported_not_failed(tmp_path):
     proc = analyze("stream-ratios", "--fresh", TINY, "--model-type", "pre", "--output", tmp_path)
     assert proc.returncode == 0 and "does not apply" in proc.stdout
     assert json.loads((tmp_path / "stream-ratios.json").read_text())["applies"] is False
 
 
+@pytest.mark.slow
 def test_cli_missing_checkpoint_says_what_to_do(tmp_path):
     proc = analyze("depth", tmp_path / "nothing", "--output", tmp_path)
     assert proc.returncode == 2 and "no OLMo checkpoint" in proc.stderr

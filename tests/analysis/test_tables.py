@@ -86,6 +86,7 @@ def test_number_formats():
     assert format_tokens(614_400) == "614K tokens"
 
 
+@pytest.mark.slow
 def test_script_reads_run_folders_and_writes_three_formats(tmp_path):
     for i, r in enumerate(RECORDS):
         write_record(tmp_path / "runs" / f"run{i}", r)
@@ -99,6 +100,7 @@ def test_script_reads_run_folders_and_writes_three_formats(tmp_path):
     assert r"\textbf" in (out / "table1.tex").read_text()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("content,needle", [("{not json", "not a JSON run record"),
                                             (json.dumps({"model_type": "pre"}), "lacks learning_rate, status")])
 def test_bad_record_is_named_with_what_is_wrong(tmp_path, content, needle):
@@ -108,6 +110,7 @@ def test_bad_record_is_named_with_what_is_wrong(tmp_path, content, needle):
     assert proc.returncode == 2 and needle in proc.stderr and str(tmp_path / "run.json") in proc.stderr
 
 
+@pytest.mark.slow
 def test_no_records_says_where_they_come_from(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tables.py"), str(tmp_path)],
                           capture_output=True, text=True, timeout=120)

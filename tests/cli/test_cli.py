@@ -98,6 +98,7 @@ def test_olmo_narration_is_dropped_but_its_warnings_pass():
     assert f.filter(record("siamesenorm.ai2_olmo.train", logging.INFO, "[eval_step=1]"))
 
 
+@pytest.mark.slow
 def test_training_console_is_short_and_saved_in_the_run_folder(tmp_path, austen_prepared):
     run = tmp_path / "my-run"
     cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), str(ROOT / "configs" / "tiny-cpu.yaml"),
@@ -186,6 +187,7 @@ def test_the_model_type_list_for_help_is_the_registry():
     assert dict(declared_variants()) == METHOD_NAMES
 
 
+@pytest.mark.slow
 def test_importing_siamesenorm_is_cheap_and_still_hooks_olmo_in_any_order():
     script = """
 import os, sys

@@ -5,9 +5,12 @@ import json
 import runpy
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_gpu_check_on_the_cpu_with_the_tiny_recipe(tmp_path):
     main = runpy.run_path(str(ROOT / "scripts" / "gpu_check.py"), run_name="gpu_check")["main"]
     report = tmp_path / "report.md"

@@ -66,6 +66,7 @@ def test_a_checkpoint_scores_what_its_run_logged_in_loop(run_with_downstream):
     assert 1.0 < record["val_perplexity"] < 2100 and record["model_type"] == "hybrid_pre"
 
 
+@pytest.mark.slow
 def test_an_export_scores_as_its_run_and_make_tables_reads_the_result(run_with_downstream, tmp_path):
     from siamesenorm.export.hf import export
 
@@ -96,6 +97,7 @@ def test_an_export_scores_as_its_run_and_make_tables_reads_the_result(run_with_d
         assert expect in table.stdout, table.stdout
 
 
+@pytest.mark.slow
 def test_bad_input_gets_one_line(tmp_path):
     for args, expect in ((["--tasks", "piqaa"], "did you mean piqa"), (["--tokens", "nope/*.npy"], "no such token"),
                          (["--tasks", "none"], "needs --tokens")):

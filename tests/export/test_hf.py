@@ -40,6 +40,7 @@ def greedy_olmo(model, ids: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_export_loads_with_auto_classes_and_matches_olmo(tmp_path, monkeypatch, austen_prepared, model_type):
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -93,6 +94,7 @@ def test_export_refuses_to_overwrite_what_is_not_an_export(tmp_path, monkeypatch
     assert (fresh / "config.json").is_file()
 
 
+@pytest.mark.slow
 def test_generate_script_from_run_and_from_export_agree(tmp_path, monkeypatch, austen_prepared):
     from siamesenorm.export.hf import export
 
@@ -142,6 +144,7 @@ def load_alone(folder: Path, ids: list, tmp_path: Path, trust: bool = False) -> 
     return torch.load(result)
 
 
+@pytest.mark.slow
 def test_a_trained_hybrid_pre_export_loads_with_transformers_alone(tmp_path, monkeypatch, austen_prepared):
     from siamesenorm.export.hf import export
     from siamesenorm.run.checkpoints import load_model
@@ -160,6 +163,7 @@ def test_a_trained_hybrid_pre_export_loads_with_transformers_alone(tmp_path, mon
     assert isinstance(got["text"], str) and got["text"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True])
 def test_pre_exports_as_a_llama_that_transformers_alone_loads_with_olmos_logits(tmp_path, monkeypatch,
                                                                                austen_prepared, tied):

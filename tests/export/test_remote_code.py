@@ -111,6 +111,7 @@ def load_alone(folders, tmp_path: Path, transformers_folder: Optional[Path] = No
     return torch.load(result)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("release", RELEASES)
 def test_every_model_type_loads_with_transformers_alone_with_olmos_logits(tmp_path, release):
     folders, references = [], []

@@ -24,6 +24,7 @@ def pristine(tmp_path_factory):
     return olmo_patch.materialize(tmp_path_factory.mktemp("olmo") / "OLMo", None, CACHE)
 
 
+@pytest.mark.slow
 def test_patch_applies_cleanly_and_for_real(pristine):
     subprocess.run(["git", "apply", "--check", str(PATCH)], cwd=pristine, check=True)
     patched = olmo_patch.materialize(pristine, PATCH, CACHE)
@@ -40,6 +41,7 @@ def test_changes_patch_is_not_stale(pristine):
     assert PATCH.read_text() == fresh, "changes.patch is stale: run python scripts/olmo_tree.py patch"
 
 
+@pytest.mark.slow
 def test_patched_source_tree_builds_the_same_models(pristine, tmp_path):
     """The patched OLMo/ imported in place of the installed ai2-olmo: same names and logits for each type."""
     tree = olmo_patch.materialize(pristine, PATCH, CACHE)
@@ -100,6 +102,7 @@ def test_olmo_is_the_official_repository_as_a_submodule_at_v0_6_0():
     assert url == olmo_patch.OFFICIAL_URL
 
 
+@pytest.mark.slow
 def test_an_empty_olmo_folder_is_filled_from_the_sdist_and_a_submodule_at_another_commit_is_refused(tmp_path):
     """A plain clone leaves OLMo/ empty (the submodule not initialised): setup fills it from the sdist. A submodule
     checkout elsewhere than v0.6.0 is refused in one line instead of patching the wrong source."""

@@ -122,6 +122,7 @@ VARIANT = Variant(name="toy_scaled", block=ScaledBranchBlock,
 '''
 
 
+@pytest.mark.slow
 def test_a_variant_in_one_file_outside_the_package_trains_and_reaches_tables_and_figures(tmp_path):
     """The proof that a variant is one file: a throwaway one, written to a folder of its own and named by
     SIAMESENORM_VARIANTS, with nothing else edited: it is a MODEL_TYPE with its knob, trains through OLMo's
@@ -168,6 +169,7 @@ def test_a_variant_in_one_file_outside_the_package_trains_and_reaches_tables_and
                 ).split()[0] == "toy_scaled"
 
 
+@pytest.mark.slow
 def test_a_variant_folder_that_is_missing_or_shadows_a_variant_is_one_line(tmp_path):
     import os
     import subprocess

@@ -53,6 +53,7 @@ def test_the_check_catches_a_wrong_backward(monkeypatch):
     assert len(fused.check()) >= 64
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (TRITON_TARGET / "triton").is_dir(),
                     reason=f"Triton for its interpreter is not in {TRITON_TARGET} (bash scripts/setup_env.sh puts it "
                            "there)")
@@ -156,6 +157,7 @@ def test_fused_streams_needs_rms_without_bias(change, words):
     validate_model_config(tiny_config(**change), "pre")  # without the flag, pre takes any of these
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["hybrid_pre", "mhc"])
 def test_fused_blocks_compile_whole_and_match_eager(model_type):
     """The fused ops are opaque to torch.compile (one custom op each way, with fake implementations): a fused block

@@ -89,6 +89,7 @@ def _train(tmp_path, name, austen_prepared, *extra):
     return proc, folder
 
 
+@pytest.mark.slow
 def test_a_run_with_loss_chunk_tokens_trains_like_olmos_loss(tmp_path, austen_prepared):
     losses = {}
     for name, extra in (("olmo", ()), ("chunked", ("--loss_chunk_tokens=100",))):

@@ -139,6 +139,7 @@ def test_wrappers_register_module_branches_and_train():
         snn.SiameseNorm(8, mlp_branch, layer=0, x_norm_position="middle")
 
 
+@pytest.mark.slow
 def test_vit_example_learns_digits_with_pre_norm_and_siamese_norm():
     """examples/vit_digits.py, briefly: well above the 10% of chance on held-out digits."""
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2] / "examples"))

@@ -49,6 +49,7 @@ def _losses(folder):
     return losses
 
 
+@pytest.mark.slow
 def test_two_processes_fsdp_train_save_resume_reproduce_the_losses(tmp_path, austen_prepared):
     whole, split = tmp_path / "whole", tmp_path / "split"
     run = _train(whole, processes=2, port=29701)
@@ -67,6 +68,7 @@ def test_two_processes_fsdp_train_save_resume_reproduce_the_losses(tmp_path, aus
     assert expected[6] < expected[1]
 
 
+@pytest.mark.slow
 def test_two_processes_train_save_resume_an_moe(tmp_path, austen_prepared):
     """hybrid_pre over OLMo-core's MoE (4 experts, top 2; its router, auxiliary losses and FSDP), two processes:
     stopped at step 3 and resumed, the losses and the load-balancing losses are the uninterrupted run's."""
@@ -98,6 +100,7 @@ class _Bomb:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("planted", ["metadata", "trainer_state"])
 def test_a_crafted_checkpoint_runs_nothing(tmp_path, austen_prepared, planted):
     folder = tmp_path / "run"
@@ -228,6 +231,7 @@ def _plant(folder: Path, case: str) -> str:
     raise AssertionError(case)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["not_metadata", "parent_path", "link_out", "fifo", "unbounded", "cut", "zeroed"])
 def test_a_crafted_distributed_checkpoint_is_refused_in_one_line(tmp_path, core_checkpoint, case):
     import shutil
@@ -244,6 +248,7 @@ def test_a_crafted_distributed_checkpoint_is_refused_in_one_line(tmp_path, core_
     assert (folder / "metrics.jsonl").read_text() == before
 
 
+@pytest.mark.slow
 def test_a_token_file_changed_in_place_is_seen_on_resume(tmp_path, austen_prepared):
     import shutil
 

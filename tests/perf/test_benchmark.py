@@ -21,6 +21,7 @@ def test_activation_bytes_counts_saved_tensors_once_and_leaves_out_parameters():
     assert model.weight.grad is None  # backward ran and the gradients were cleared
 
 
+@pytest.mark.slow
 def test_benchmark_reports_ratios_against_pre_in_both_modes():
     settings = BenchSettings(model_types=["hybrid_pre"], layers=1, d_model=32, batch=1, seq=16, repeats=2,
                              steps_per_timing=1, modes=["eager", "compiled"], device="cpu")

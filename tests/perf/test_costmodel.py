@@ -75,6 +75,7 @@ def _fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type", ["pre", "hybrid_pre", "mhc"])
 def test_compiled_blocks_move_fewer_bytes_in_fewer_kernels_than_eager(model_type, _fresh_dynamo):
     """Inductor's fusion, read from its scheduler: a compiled middle block moves fewer non-matmul bytes and launches

@@ -21,6 +21,7 @@ def test_recipes_exist():
     assert {"small-20M", "small-60M", "small-150M", "tiny-cpu"} <= names
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.stem)
 @pytest.mark.parametrize("model_type", MODEL_TYPES)
 def test_recipe_builds_for_every_model_type(path, model_type):

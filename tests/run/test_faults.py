@@ -38,6 +38,7 @@ def alive(pid: int) -> bool:
 
 
 # ---- one run per save folder ---------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_second_run_on_a_busy_folder_is_one_line_and_changes_nothing(tmp_path, data):  # noqa: F811
     folder = tmp_path / "run"
     args = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=100000", "--save_interval_unsharded=5"]
@@ -62,6 +63,7 @@ def test_a_second_run_on_a_busy_folder_is_one_line_and_changes_nothing(tmp_path,
     assert "is in use" not in resumed.stderr and metric_steps(folder) == list(range(1, end + 1))
 
 
+@pytest.mark.slow
 def test_a_stale_lock_is_taken_over_and_said(tmp_path, data):  # noqa: F811
     folder = tmp_path / "run"
     folder.mkdir()
@@ -72,6 +74,7 @@ def test_a_stale_lock_is_taken_over_and_said(tmp_path, data):  # noqa: F811
 
 
 # ---- a finished run, rerun ------------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_rerunning_a_finished_run_does_nothing_and_says_so(checkpointed_mixln, data):  # noqa: F811
     before = record(checkpointed_mixln)
     args = [f"--data.paths=[{data}]", f"--save_folder={checkpointed_mixln}", "--max_duration=4",
@@ -86,6 +89,7 @@ def test_rerunning_a_finished_run_does_nothing_and_says_so(checkpointed_mixln, d
 
 
 # ---- the sweep and its children -------------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_killed_sweep_leaves_no_orphan_and_its_rerun_finishes_the_cell_exactly(tmp_path):
     data = learnable_tokens(tmp_path / "train.npy")
     plan = tmp_path / "plan.yaml"
@@ -114,6 +118,7 @@ def test_a_killed_sweep_leaves_no_orphan_and_its_rerun_finishes_the_cell_exactly
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 41))
 
 
+@pytest.mark.slow
 def test_sigterm_to_a_sweep_reaches_its_training_process(tmp_path):
     data = learnable_tokens(tmp_path / "train.npy")
     plan = tmp_path / "plan.yaml"
@@ -142,6 +147,7 @@ def _file_size_limit(limit: int):
     return apply
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_a_save_is_one_line_and_the_last_good_checkpoint_resumes(tmp_path, data):  # noqa: F811
     folder = tmp_path / "run"
     args = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=8", "--save_interval_unsharded=4",
@@ -160,6 +166,7 @@ def test_a_full_disk_during_a_save_is_one_line_and_the_last_good_checkpoint_resu
 
 
 # ---- token files changed under a run --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_resume_on_other_token_files_is_refused_unless_asked(tmp_path):
     data = learnable_tokens(tmp_path / "train.npy", n_tokens=32 * 8 * 30)
     folder = tmp_path / "run"
@@ -178,6 +185,7 @@ def test_resume_on_other_token_files_is_refused_unless_asked(tmp_path):
 
 
 # ---- cut or corrupt files in the run folder -------------------------------------------------------------------------
+@pytest.mark.slow
 @pytest.mark.parametrize("damage", ["cut metrics line", "binary metrics", "cut record"])
 def test_a_cut_or_corrupt_metrics_file_or_record_does_not_stop_the_resume(tmp_path, data, damage):  # noqa: F811
     folder = tmp_path / "run"
@@ -200,6 +208,7 @@ def test_a_cut_or_corrupt_metrics_file_or_record_does_not_stop_the_resume(tmp_pa
 
 
 # ---- bad input at the command line: one line each -------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_nan_typo_never_becomes_a_divergence_in_the_tables(tmp_path, data):  # noqa: F811
     """A config typo is refused before step 1 (exit 2), so no record says the method diverged."""
     folder = tmp_path / "run"
@@ -208,6 +217,7 @@ def test_a_nan_typo_never_becomes_a_divergence_in_the_tables(tmp_path, data):  #
     assert not (folder / "run.json").exists()
 
 
+@pytest.mark.slow
 def test_config_through_process_substitution_is_read(tmp_path, data):  # noqa: F811
     proc = subprocess.run(["bash", "-c", f'"{sys.executable}" "{ROOT / "scripts" / "train.py"}" <(cat "{TINY}") '
                            + " ".join(SMALL) + f" --data.paths=[{data}] --save_folder={tmp_path / 'run'} --dry-run"],
@@ -216,6 +226,7 @@ def test_config_through_process_substitution_is_read(tmp_path, data):  # noqa: F
     assert "a real start would: fresh" in proc.stdout
 
 
+@pytest.mark.slow
 def test_an_empty_token_file_is_one_line(tmp_path):
     empty = tmp_path / "empty.npy"
     empty.write_bytes(b"")
@@ -238,6 +249,7 @@ def test_a_cut_or_false_gzip_corpus_is_one_line_and_keeps_what_was_prepared(tmp_
     assert not list(out.rglob("*.npy.tmp*"))  # nothing half-written left
 
 
+@pytest.mark.slow
 def test_make_tables_output_that_is_a_file_is_one_line(tmp_path):
     results = ROOT / "results" / "study-cpu"
     target = tmp_path / "table.md"
@@ -249,6 +261,7 @@ def test_make_tables_output_that_is_a_file_is_one_line(tmp_path):
 
 
 # ---- a cluster's first minutes (one-line checks) ---------------------------------------------------------------------
+@pytest.mark.slow
 def test_a_corpus_smaller_than_one_global_batch_is_one_line_before_the_model(tmp_path):
     small = learnable_tokens(tmp_path / "small.npy", n_tokens=32 * 5)  # 5 sequences of SMALL's 32 tokens
     for dry in ([], ["--dry-run"]):
@@ -256,6 +269,7 @@ def test_a_corpus_smaller_than_one_global_batch_is_one_line_before_the_model(tmp
         assert "the training data hold 5 sequences of 32 tokens, fewer than one global batch (8)" in line
 
 
+@pytest.mark.slow
 def test_the_per_process_batch_error_is_said_once_with_the_fix(tmp_path, data):  # noqa: F811
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            str(ROOT / "scripts" / "train.py"), str(TINY), *SMALL, f"--data.paths=[{data}]",
@@ -278,6 +292,7 @@ def test_an_override_of_one_list_item_is_one_line(tmp_path):
     assert "override a list as a whole" in str(err.value)
 
 
+@pytest.mark.slow
 def test_a_token_file_rewritten_in_place_with_its_manifest_kept_is_seen_on_resume(tmp_path, austen_prepared):
     """The manifest's sha256 is what the file claims; the fingerprint hashes the file's own bytes as well."""
     prepared = tmp_path / "prepared"
@@ -299,6 +314,7 @@ def test_a_token_file_rewritten_in_place_with_its_manifest_kept_is_seen_on_resum
     assert metric_steps(folder) == [1, 2, 3, 4]
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_one_line_exit_130_and_a_stopped_record(tmp_path, data):  # noqa: F811
     folder = tmp_path / "run"
     proc = subprocess.Popen([*TRAIN, str(TINY), *SMALL, f"--data.paths=[{data}]", f"--save_folder={folder}",
@@ -317,6 +333,7 @@ def test_ctrl_c_is_one_line_exit_130_and_a_stopped_record(tmp_path, data):  # no
     assert record(folder)["status"] == "stopped"
 
 
+@pytest.mark.slow
 def test_a_refused_start_leaves_no_folder_and_no_owner(tmp_path, data):  # noqa: F811
     folder = tmp_path / "new"
     refused = train([f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=2"], check=False,

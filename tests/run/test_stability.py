@@ -107,6 +107,7 @@ def train(args, env=None):
                           env={**__import__("os").environ, "OMP_NUM_THREADS": "1", **(env or {})})
 
 
+@pytest.mark.slow
 def test_absurd_learning_rate_is_stopped_with_record_and_exit_code(tmp_path):
     data = learnable_tokens(tmp_path / "train.npy")
     run = tmp_path / "run"
@@ -124,6 +125,7 @@ def test_absurd_learning_rate_is_stopped_with_record_and_exit_code(tmp_path):
     assert last["diverged"] == record["divergence"]
 
 
+@pytest.mark.slow
 def test_healthy_run_finishes_with_a_full_record(tmp_path):
     data = learnable_tokens(tmp_path / "train.npy")
     val = learnable_tokens(tmp_path / "val.npy", seed=1)
@@ -143,6 +145,7 @@ def test_healthy_run_finishes_with_a_full_record(tmp_path):
     assert record["loss_spikes"] == len(record["spikes"])
 
 
+@pytest.mark.slow
 def test_two_process_divergence_stops_every_rank_and_launch_maps_the_code(tmp_path):
     data = learnable_tokens(tmp_path / "train.npy")
     run = tmp_path / "run"

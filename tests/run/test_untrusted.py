@@ -106,6 +106,7 @@ def test_the_chain_runs_when_unpickled_freely(tmp_path):
     assert marker.exists()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("entry", sorted(ENTRY_POINTS))
 def test_getattr_chain_in_a_sharded_checkpoint_never_runs(tmp_path, checkpointed_mixln, entry):
     marker = tmp_path / "payload-ran"
@@ -116,6 +117,7 @@ def test_getattr_chain_in_a_sharded_checkpoint_never_runs(tmp_path, checkpointed
     assert not marker.exists(), "the payload ran"
 
 
+@pytest.mark.slow
 def test_memo_stack_global_is_seen_and_refused(tmp_path, checkpointed_mixln):
     marker = tmp_path / "payload-ran"
     folder = sharded_folder(tmp_path, checkpointed_mixln / "step4-unsharded",
@@ -125,6 +127,7 @@ def test_memo_stack_global_is_seen_and_refused(tmp_path, checkpointed_mixln):
     assert not marker.exists()
 
 
+@pytest.mark.slow
 def test_safetensors_with_a_pickled_name_is_read_without_running_it(tmp_path, checkpointed_mixln, data):  # noqa: F811
     import safetensors.torch
     from test_cluster import Payload
@@ -172,6 +175,7 @@ def peak_rss_mb(code: str) -> tuple[int, str]:
     return rss, proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_numpy_array_larger_than_its_bytes_is_refused_in_bounded_memory(tmp_path, checkpointed_mixln):
     folder = tmp_path / "np" / "step4-unsharded"
     shutil.copytree(checkpointed_mixln / "step4-unsharded", folder)
@@ -183,6 +187,7 @@ def test_numpy_array_larger_than_its_bytes_is_refused_in_bounded_memory(tmp_path
     assert rss < 1500, f"peak RSS {rss} MB"
 
 
+@pytest.mark.slow
 def test_stride_zero_tensor_in_the_optimizer_state_is_refused_before_any_step(tmp_path, checkpointed_mixln,
                                                                                data):  # noqa: F811
     folder = tmp_path / "stride" / "step4-unsharded"
@@ -197,6 +202,7 @@ def test_stride_zero_tensor_in_the_optimizer_state_is_refused_before_any_step(tm
     assert "[step=" not in proc.stdout + proc.stderr
 
 
+@pytest.mark.slow
 def test_a_pickle_that_inflates_is_refused_without_inflating(tmp_path):
     path = tmp_path / "model.pt"
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as zf:
@@ -251,6 +257,7 @@ def test_sharded_sizes_beyond_the_files_are_refused(tmp_path):
 
 
 # ---- 3. a checkpoint's config.yaml --------------------------------------------------------------------------------
+@pytest.mark.slow
 def test_resolvers_in_a_checkpoint_config_are_refused_and_the_secret_stays(tmp_path, checkpointed_mixln):
     folder = tmp_path / "cfg" / "step4-unsharded"
     shutil.copytree(checkpointed_mixln / "step4-unsharded", folder)
@@ -380,6 +387,7 @@ def _dicts_and_floats(dicts: int, units: int) -> bytes:
     return b"\x80\x04](" + unit * units + b"e."
 
 
+@pytest.mark.slow
 def test_the_checker_spends_at_most_its_bound_per_byte_of_pickle(tmp_path):
     import tracemalloc
 
@@ -540,6 +548,7 @@ def _crafted_export(source: Path, tmp_path: Path, case: str) -> tuple:
     return folder, "lies outside the file"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["huge_model", "more_layers", "not_object", "header_length", "offsets_outside",
                                   "remote_tokenizer"])
 def test_a_crafted_export_is_refused_in_one_line_before_anything_is_built(tmp_path, exported, case):
@@ -574,6 +583,7 @@ def _nested(depth: int):
     return value
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("record, words", [
     ({"learning_rate": "1e-3"}, "field learning_rate is str '1e-3'"),
     ({"val_perplexity": [1, 2]}, "field val_perplexity is list"),
@@ -591,6 +601,7 @@ def test_a_run_record_of_the_wrong_shape_is_one_line_in_make_tables(tmp_path, re
     assert line.startswith(f"error: {folder / 'run.json'}: ") and words in line, line
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("metrics, words", [('{"step": "4", "loss": 1.0}\n', "field step is not a number"),
                                             ('{"step": 4, "loss": "low"}\n', "field loss is not a number"),
                                             ("[1, 2]\n", "not a metrics line (an object)")])
@@ -602,6 +613,7 @@ def test_a_metrics_line_of_the_wrong_shape_is_one_line_in_analyze(tmp_path, metr
     assert line.startswith(f"error: {folder / 'metrics.jsonl'}:1: ") and words in line, line
 
 
+@pytest.mark.slow
 def test_a_folder_that_is_not_a_sweeps_results_is_one_line_in_study_report(tmp_path):
     (tmp_path / "empty").mkdir()
     proc = script("study_report.py", tmp_path / "empty", "--output", tmp_path / "out")

@@ -6,11 +6,13 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from test_training import ROOT, SMALL, TINY, learnable_tokens
 
 from siamesenorm.studies.sweep import load_plan, status
 
 
+@pytest.mark.slow
 def test_sweep_runs_two_cells_then_skips_them(tmp_path):
     data = learnable_tokens(tmp_path / "train.npy")
     val = learnable_tokens(tmp_path / "val.npy", seed=1)
@@ -58,6 +60,7 @@ def test_sweep_runs_two_cells_then_skips_them(tmp_path):
     assert (tmp_path / "report" / "study-magnitudes.png").stat().st_size > 0
 
 
+@pytest.mark.slow
 def test_v2_plan_groups_knobs_settings_and_checkpoints_over_time(tmp_path):
     """The second sweep's plan features on tiny cells: model shapes as knobs, a schedule setting, a cell analysed at
     several checkpoints; then the v2 report reads depth, warmup, over-time and massive-activation numbers."""

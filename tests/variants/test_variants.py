@@ -102,6 +102,7 @@ def test_last_logits_only(model_type, overrides):
     torch.testing.assert_close(last[:, 0], full[:, -1], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["whole_layer", "fine_grained", "one_in_two"])
 @pytest.mark.parametrize("model_type,overrides", CASES, ids=IDS)
 def test_activation_checkpointing_same_loss_and_grads(model_type, overrides, strategy):
