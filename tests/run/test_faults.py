@@ -15,6 +15,8 @@ import pytest
 from test_cluster import TRAIN, checkpointed_mixln, data, env, error_line, metric_steps, record, train  # noqa: F401
 from test_training import ROOT, SMALL, TINY, learnable_tokens
 
+from siamesenorm.run.records import read_metrics_rows
+
 
 def wait_for(condition, what: str, timeout: float = 240):
     deadline = time.time() + timeout
@@ -113,8 +115,7 @@ def test_a_killed_sweep_leaves_no_orphan_and_its_rerun_finishes_the_cell_exactly
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr[-3000:]
     done = json.loads((tmp_path / "results" / "pre-lr0.01-s1" / "run.json").read_text())
     assert done["status"] == "finished" and done["step"] == done["max_steps"] == 40
-    rows = [json.loads(line) for line in (tmp_path / "results" / "pre-lr0.01-s1" / "metrics.jsonl").read_text()
-            .splitlines()]
+    rows = read_metrics_rows(tmp_path / "results" / "pre-lr0.01-s1" / "metrics.jsonl.gz")  # kept compressed
     assert [r["step"] for r in rows if "loss" in r] == list(range(1, 41))
 
 
