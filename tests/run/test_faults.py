@@ -252,7 +252,7 @@ def test_a_cut_or_false_gzip_corpus_is_one_line_and_keeps_what_was_prepared(tmp_
 
 @pytest.mark.slow
 def test_make_tables_output_that_is_a_file_is_one_line(tmp_path):
-    results = ROOT / "results" / "study-cpu"
+    results = ROOT / "studies" / "cpu-lr-grid" / "results"
     target = tmp_path / "table.md"
     target.write_text("keep me\n")
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "make_tables.py"), str(results), "--output",
