@@ -29,15 +29,20 @@ _MODEL_TYPE_RULE = ("MODEL_TYPE picks the block: the environment variable MODEL_
                     "model.model_type, else pre.")
 
 
+def _refuse(problem) -> None:
+    """One line on standard error and exit 2; under torchrun every rank sees the same problem, so rank 0 says it."""
+    if os.environ.get("RANK", "0") == "0":
+        print(f"error: {problem}", file=sys.stderr)
+    sys.exit(2)
+
+
 def _refuse_unknown_keys(config: str, overrides) -> None:
     """A typo in the recipe or an override: one line and exit 2 before OLMo and torch are imported."""
     from siamesenorm.run.recipe_keys import unknown_key
 
     message = unknown_key(config, overrides)
     if message:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {message}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(message)
 
 
 def train_main(argv=None) -> None:
@@ -77,9 +82,7 @@ Examples:
     try:
         code = main(args.config, overrides, dry=args.dry_run)
     except (_config_error(), UnsafeCheckpoint) as e:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank sees the same problem: say it once
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(e)
     except Terminated as e:  # preemption: the record says stopped; the same command resumes
         print(f"stopped: {e}; rerun the same command to resume from the latest checkpoint", file=sys.stderr)
         sys.exit(128 + e.signum)
@@ -124,18 +127,14 @@ Examples:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     except (_config_error(), CoreConfigError, UnsafeCheckpoint, FileNotFoundError, ValueError) as e:
-        if os.environ.get("RANK", "0") == "0":  # under torchrun every rank sees the same problem: say it once
-            print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(e)
     except BaseException as e:  # torch.distributed.checkpoint wraps a refused item in a CheckpointException
         from siamesenorm.run.safeload import refusal_inside
 
         refused = refusal_inside(e)
         if refused is None:
             raise
-        if os.environ.get("RANK", "0") == "0":
-            print(f"error: {refused}", file=sys.stderr)
-        sys.exit(2)
+        _refuse(refused)
 
 
 def prepare_data_main(argv=None) -> None:
