@@ -13,18 +13,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import gzip
 import logging
-import math
 import os
 import pickle
-import signal
 from pathlib import Path
 from typing import Dict, List, Optional
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from olmo.config import CheckpointType
@@ -35,7 +31,6 @@ from olmo.torch_util import barrier, get_global_rank, get_local_rank, get_world_
 from omegaconf import OmegaConf as om
 
 from siamesenorm.ai2_olmo.trainer import (
-    NoSpace,
     SiameseTrainer,
     build_optimizer_with_coefficients,
     compile_blocks,
@@ -45,18 +40,23 @@ from siamesenorm.ai2_olmo.trainer import (
     wrap_model,
 )
 from siamesenorm.models.build import build_model, num_params_from_config
-from siamesenorm.models.config import MODEL_TYPES, resolve_model_type, validate_model_config
+from siamesenorm.models.config import MODEL_TYPES, resolve_model_type
 from siamesenorm.run.checkpoints import allow_checkpoint_types
-from siamesenorm.run.console import detach_run_logs
-from siamesenorm.run.folder import (
-    check_resume_model,
-    check_same_data,
-    hold_run_folder,
-    plan_run,
-    read_record,
-    resolve_run_model_type,
-    settle_run_folder,
-    truncate_metrics,
+from siamesenorm.run.console import closing_line, detach_run_logs
+from siamesenorm.run.folder import check_resume_model, check_same_data, read_record, settle_run_folder, truncate_metrics
+from siamesenorm.run.lifecycle import (
+    QUIET_DIVERGENCE,
+    Plan,
+    Terminated,
+    describe_run,
+    open_run,
+    prepare,
+    raise_on_sigterm,
+    record_info,
+    resumed_attempts,
+    say_done,
+    train_to_the_end,
+    warmup_steps,
 )
 from siamesenorm.run.recipe import (
     RunError,
@@ -66,56 +66,32 @@ from siamesenorm.run.recipe import (
     expand_paths,
     load_config,
     unigram_loss,
-    validate_run,
 )
-from siamesenorm.run.records import RECORD_NAME, config_hash, recipe_hash, variant_knobs
+from siamesenorm.run.records import RECORD_NAME
 from siamesenorm.run.safeload import UnsafeCheckpoint, checked_loads
-from siamesenorm.run.stability import EXIT_DIVERGED, Diverged, StabilityMonitor
+from siamesenorm.run.stability import StabilityMonitor
 
 log = logging.getLogger(__name__)
 
 __all__ = ["SiameseTrainConfig", "load_config", "main", "SiameseTrainer", "RunError", "check_resume_model",
            "build_optimizer_with_coefficients", "optimizer_param_groups", "expand_paths",
-           "Terminated"]
+           "Terminated", "QUIET_DIVERGENCE", "warmup_steps"]
+
+#: What the run record's ``framework`` says for a run of this path.
+FRAMEWORK = "ai2-olmo 0.6.0"
 
 
-class Terminated(BaseException):
-    """The process got SIGTERM (a scheduler's preemption, torchrun stopping its workers)."""
-
-    def __init__(self, signum: int):
-        super().__init__(f"killed by {signal.Signals(signum).name}")
-        self.signum = signum
-
-
-def _raise_terminated(signum, frame):
-    raise Terminated(signum)
-
-
-# ---- checks shared by a real start and a dry run --------------------------------------------------------------
-def prepare(cfg: SiameseTrainConfig) -> tuple[str, str, Optional[str], str]:
-    """Every check of the config and the save folder before anything is written: (model_type, its source,
-    checkpoint to load, what happens). The data are checked by ``check_data``."""
-    validate_run(cfg)
-    load_path, action = plan_run(cfg)
-    model_type, source = resolve_run_model_type(cfg, load_path)
-    validate_model_config(cfg.model, model_type)
-    cfg.model.model_type = model_type
-    if load_path is not None and "://" not in load_path:
-        check_resume_model(cfg, load_path)
-    return model_type, source, load_path, action
-
-
-def dry_run(cfg: SiameseTrainConfig, model_type: str, action: str, load_path: Optional[str]) -> None:
+def dry_run(cfg: SiameseTrainConfig, plan: Plan) -> None:
     model_cfg = dataclasses.replace(cfg.model, init_device="meta")
-    build_model(model_cfg, model_type, init_params=False)  # the blocks build: every knob is valid together
+    build_model(model_cfg, plan.model_type, init_params=False)  # the blocks build: every knob is valid together
     print(om.to_yaml(om.structured(cfg)))
-    n = num_params_from_config(cfg.model, model_type)
+    n = num_params_from_config(cfg.model, plan.model_type)
     n_emb = (cfg.model.embedding_size or cfg.model.vocab_size) * cfg.model.d_model
-    print(f"MODEL_TYPE={model_type}  parameters: {n:,d} ({n - n_emb:,d} without the input embedding)")
-    if action == "done":
-        print(f"a real start would: nothing, the run already finished ({load_path} is at its last step)")
+    print(f"MODEL_TYPE={plan.model_type}  parameters: {n:,d} ({n - n_emb:,d} without the input embedding)")
+    if plan.action == "done":
+        print(f"a real start would: nothing, the run already finished ({plan.load_path} is at its last step)")
     else:
-        print(f"a real start would: {action}" + (f" from {load_path}" if load_path else ""))
+        print(f"a real start would: {plan.action}" + (f" from {plan.load_path}" if plan.load_path else ""))
 
 
 # ---- the run ------------------------------------------------------------------------------------------------------
@@ -124,30 +100,20 @@ def main(config_path: str, overrides: Optional[List[str]] = None, dry: bool = Fa
     if not any(o.startswith(("--run_name=", "--run_name")) for o in overrides or []):
         cfg.run_name = Path(cfg.save_folder).name  # one name per run folder, not the recipe's for every run
     if dry or cfg.dry_run:  # the config, the parameters and the plan first, then the data as a real start checks it
-        model_type, source, load_path, action = prepare(cfg)
-        dry_run(cfg, model_type, action, load_path)
+        plan = prepare(cfg)
+        dry_run(cfg, plan)
         check_data(cfg)
-        if action == "resume":
+        if plan.action == "resume":
             check_same_data(cfg)
         return 0
-    validate_run(cfg)  # a bad value is refused before the folder is even locked
-    check_batch_split(cfg, int(os.environ.get("WORLD_SIZE", "1")))  # before any process group or model
-    check_data(cfg)  # the data do not depend on the folder: a missing file is said before the folder is touched
-    lead = os.environ.get("RANK", "0") == "0"
-    if lead:
-        warn_gpu_recipe_on_cpu(cfg, config_path)  # the folder's lock is rank 0's; the other ranks follow it
-    with hold_run_folder(cfg.save_folder) if lead else contextlib.nullcontext():
-        model_type, source, load_path, action = prepare(cfg)
-        if action == "done":
-            log.info("%s already finished: its checkpoint %s is at the last step of max_duration=%s; nothing to do "
-                     "(pass a larger --max_duration to continue it, or --save_overwrite to train it again)",
-                     cfg.save_folder, Path(load_path).name, cfg.max_duration)
+    with open_run(cfg, int(os.environ.get("WORLD_SIZE", "1")),
+                  before_lock=lambda: warn_gpu_recipe_on_cpu(cfg, config_path)) as plan:
+        if plan.action == "done":
+            say_done(cfg, plan)
             return 0
-        if action == "resume":
-            check_same_data(cfg)
         launched = {k: os.environ.get(k) for k in _GROUP_ENV}
         try:
-            return train(cfg, config_path, model_type, source, load_path, action)
+            return train(cfg, config_path, plan)
         finally:
             detach_run_logs()
             if launched["RANK"] is None:  # not under torchrun: undo the group of one made here, so that a later
@@ -171,7 +137,6 @@ def warn_gpu_recipe_on_cpu(cfg: SiameseTrainConfig, config_path: str) -> None:
                     config_path)
 
 
-QUIET_DIVERGENCE = "SIAMESENORM_DIVERGED_EXIT_0"
 _GROUP_ENV = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
@@ -185,9 +150,9 @@ def _end_own_group(previous: Dict[str, Optional[str]]) -> None:
             os.environ[key] = value
 
 
-def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: str, load_path: Optional[str],
-          action: str) -> int:
+def train(cfg: SiameseTrainConfig, config_path: str, plan: Plan) -> int:
     """Set up the process group, the run folder, wandb, data, model and optimizer; then ``run``."""
+    model_type, load_path, action = plan.model_type, plan.load_path, plan.action
     device = init_distributed()
     allow_checkpoint_types()  # torch.load keeps weights_only=True; OLMo's trainer state needs these types
 
@@ -216,7 +181,7 @@ def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: st
 
     olmo_model = build_model(cfg.model, model_type)
     if get_global_rank() == 0:
-        for line in describe_run(cfg, model_type, source, olmo_model.num_params(), action, load_path, console_log):
+        for line in describe_run(cfg, plan, olmo_model.num_params(), console_log, FRAMEWORK):
             log.info(line)
     olmo_model.set_activation_checkpointing(cfg.activation_checkpointing)
     if cfg.compile is not None:
@@ -231,8 +196,7 @@ def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: st
     if cfg.stability.unigram_loss is None and cfg.data.paths:
         unigram = unigram_loss([str(p) for p in cfg.data.paths], str(cfg.data.memmap_dtype), cfg.model.vocab_size)
     monitor = StabilityMonitor(cfg.stability, cfg.model.vocab_size, warmup_steps(cfg), unigram)
-    previous_handler = signal.signal(signal.SIGTERM, _raise_terminated)
-    try:
+    with raise_on_sigterm():
         with SiameseTrainer(
             cfg=cfg,
             epoch=cfg.epoch,
@@ -245,11 +209,10 @@ def train(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: st
             evaluators=evaluators,
             indices_file=indices_file,
             monitor=monitor,
-            record_info=record_info(cfg, config_path, model_type, source, olmo_model.num_params(), monitor),
+            record_info=record_info(cfg, config_path, plan, olmo_model.num_params(), monitor, get_world_size(),
+                                    FRAMEWORK),
         ) as trainer:
-            return run(trainer, cfg, config_path, model_type, source, load_path, action, BoltOnWarmupScheduler)
-    finally:
-        signal.signal(signal.SIGTERM, previous_handler)
+            return run(trainer, cfg, load_path, action, BoltOnWarmupScheduler)
 
 
 def init_wandb(cfg: SiameseTrainConfig, model_type: str) -> None:
@@ -286,8 +249,7 @@ def build_data(cfg: SiameseTrainConfig, device, resuming: bool):
     return train_loader, evaluators, indices_file
 
 
-def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, model_type: str, source: str,
-        load_path: Optional[str], action: str, bolt_on) -> int:
+def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, load_path: Optional[str], action: str, bolt_on) -> int:
     """Restore, set up the guard and the record, train; the record says how it ended."""
     folder = Path(cfg.save_folder)
     previous = read_record(folder)
@@ -333,102 +295,14 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, config_path: str, mode
         if not trainer.restored_stability:  # a checkpoint from before the guard's state was kept: the record's spikes
             trainer.monitor.restore([s for s in previous.get("spikes", []) if s["step"] <= trainer.global_step],
                                     [s for s in previous.get("grad_spikes", []) if s["step"] <= trainer.global_step])
-        trainer.record_info["attempts"] = previous.get("attempts", []) + [
-            {"resumed_at_step": trainer.global_step, "previous_status": previous.get("status"),
-             "previous_error": previous.get("error")}
-        ]
-    trainer.save_record("running")
-    record_path = folder / RECORD_NAME
-    try:
-        trainer.fit()
-    except Diverged as diverged:
-        trainer.save_record("diverged", diverged_at_step=diverged.step, divergence=diverged.reason,
-                            divergence_kind=diverged.kind)
-        if get_global_rank() == 0:
-            log.warning("diverged at step %d: %s; record: %s", diverged.step, diverged.reason, record_path)
-        # under scripts/launch.py the workers end normally and launch.py turns the record into the exit status,
-        # so torchrun does not print a worker-failure report for an outcome that is a result
-        return 0 if os.environ.get(QUIET_DIVERGENCE) == "1" else EXIT_DIVERGED
-    except NoSpace as err:
-        try:
-            trainer.save_record("stopped", error=str(err)[:500])
-        except OSError:  # the record cannot be written either; the message below still says what happened
-            pass
-        raise RunError(str(err)) from None
-    except BaseException as err:  # an error, an interrupt or a signal: the record says the run ended early
-        trainer.save_record("stopped", error=f"{type(err).__name__}: {err}"[:500])
-        raise
-    trainer.save_record("finished" if trainer.global_step >= trainer.max_steps else "stopped",
-                        **trainer.monitor.convergence())
-    if get_global_rank() == 0:
+        trainer.record_info["attempts"] = resumed_attempts(previous, trainer.global_step)
+    code = train_to_the_end(trainer.fit, trainer.save_record, lambda: trainer.global_step >= trainer.max_steps,
+                            trainer.monitor.convergence, folder / RECORD_NAME, get_global_rank() == 0)
+    if get_global_rank() == 0 and code == 0 and trainer.monitor is not None:
         report(trainer)
-    return 0
-
-
-def describe_run(cfg: SiameseTrainConfig, model_type: str, source: str, n_params: int, action: str,
-                 load_path: Optional[str], console_log: Path) -> List[str]:
-    """The lines a run prints once before its first step: what trains, on what, and where its files go."""
-    how = {"default": "the default; set MODEL_TYPE=... to choose"}.get(source, f"from {source}")
-    tokens_per_step = cfg.global_train_batch_size * cfg.model.max_sequence_length
-    folder = Path(cfg.save_folder)
-    start = {"resume": f"resuming from {load_path}", "load": f"starting from the weights in {load_path}"}.get(
-        action, "starting from step 0")
-    paths = [str(p) for p in (cfg.data.paths or [])] + [
-        str(p) for group in (cfg.data.datasets or {}).values() for p in group]
-    data = f"{len(paths)} token file(s)"
-    if paths and all("://" not in p for p in paths):
-        tokens = sum(os.path.getsize(p) for p in paths) // np.dtype(str(cfg.data.memmap_dtype)).itemsize
-        data += f" in {os.path.commonpath(paths) if len(paths) > 1 else paths[0]} ({tokens:,d} tokens)"
-    duration = str(cfg.max_duration)
-    duration = f"{duration} steps" if duration.isdigit() else duration
-    return [
-        f"MODEL_TYPE={model_type} ({how}); {n_params:,d} parameters; {cfg.model.n_layers} layers x d_model "
-        f"{cfg.model.d_model}",
-        f"data: {data}; {tokens_per_step:,d} tokens a step; {duration}, {start}",
-        f"run folder: {folder} (config.yaml, {RECORD_NAME}, metrics.jsonl, {console_log.name}, checkpoints)",
-    ]
-
-
-def warmup_steps(cfg: SiameseTrainConfig) -> int:
-    """The scheduler's warmup in optimizer steps (OLMo counts it in steps or in tokens)."""
-    warmup = float(cfg.scheduler.t_warmup)
-    if str(cfg.scheduler.units) == "tokens":
-        warmup /= cfg.global_train_batch_size * cfg.model.max_sequence_length
-    return int(math.ceil(warmup))
-
-
-def record_info(cfg: SiameseTrainConfig, config_path: str, model_type: str, source: str, n_params: int,
-                monitor: StabilityMonitor) -> Dict:
-    """What a run record says about the run itself (siamesenorm/run/records.py adds its progress and results)."""
-    return {
-        "run_name": cfg.run_name,
-        "config": str(config_path),
-        "save_folder": str(cfg.save_folder),
-        "model_type": model_type,
-        "model_type_source": source,
-        "variant_knobs": variant_knobs(cfg.model, model_type),
-        "config_hash": config_hash(cfg),
-        "recipe_hash": recipe_hash(cfg),
-        "seed": cfg.seed,
-        "learning_rate": float(cfg.optimizer.learning_rate),
-        "max_duration": str(cfg.max_duration),
-        "parameters": n_params,
-        "world_size": get_world_size(),
-        "stability": {  # the settings in force, defaults resolved
-            **dataclasses.asdict(cfg.stability),
-            "max_loss": monitor.max_loss,
-            "grace_steps": monitor.grace_steps,
-            "unigram_loss": monitor.unigram_loss,
-            "converge_steps": monitor.converge_steps,
-        },
-    }
+    return code
 
 
 def report(trainer: SiameseTrainer) -> None:
-    loss = trainer.cur_train_loss
-    line = f"final training loss: {loss:.4f}"
-    ppl = {k: v for k, v in trainer.last_eval_metrics.items() if k.endswith("/Perplexity")}
-    for key, value in ppl.items():
-        line += f" | {key.split('/')[1]} perplexity: {value:.2f}"
-    log.info(line)
-
+    log.info(closing_line(trainer.cur_train_loss, trainer.last_eval_metrics, trainer.global_step, trainer.max_steps,
+                          Path(trainer.cfg.save_folder) / RECORD_NAME))

@@ -7,7 +7,6 @@ with the pinned wandb.
 
 from __future__ import annotations
 
-import errno
 import functools
 import json
 import logging
@@ -37,26 +36,16 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from siamesenorm.nn.loss import chunked_cross_entropy_loss
 from siamesenorm.run.console import eval_line, step_line
+from siamesenorm.run.lifecycle import NoSpace, no_space_in, run_record
 from siamesenorm.run.process import pin_cpu_threads
 from siamesenorm.run.recipe import RunError, SiameseTrainConfig
-from siamesenorm.run.records import split_eval_metrics, write_record
+from siamesenorm.run.records import write_record
 from siamesenorm.run.stability import Diverged, StabilityMonitor
 
 log = logging.getLogger(__name__)
 
-__all__ = ["SiameseTrainer", "NoSpace", "init_distributed", "cpu_adjustments", "wrap_model", "optimizer_param_groups",
+__all__ = ["SiameseTrainer", "init_distributed", "cpu_adjustments", "wrap_model", "optimizer_param_groups",
            "build_optimizer_with_coefficients", "compile_blocks"]
-
-
-class NoSpace(RunError):
-    """A checkpoint could not be written: the disk (or a quota, or a file-size limit) is full."""
-
-
-def _is_no_space(err: BaseException) -> bool:
-    if isinstance(err, OSError):
-        return err.errno in (errno.ENOSPC, errno.EFBIG, errno.EDQUOT)
-    text = str(err)  # torch's zip writer reports a failed write as a RuntimeError
-    return any(s in text for s in ("file write failed", "failed writing", "No space left", "unexpected pos"))
 
 
 @dataclass
@@ -85,7 +74,7 @@ class SiameseTrainer(Trainer):
         try:
             return super().save_checkpoint(*(() if checkpoint_type is None else (checkpoint_type,)))
         except (OSError, RuntimeError) as err:
-            if not _is_no_space(err):
+            if no_space_in(err) is None:
                 raise
             for partial in Path(self.cfg.save_folder).glob("step*-tmp"):
                 shutil.rmtree(partial, ignore_errors=True)
@@ -159,25 +148,10 @@ class SiameseTrainer(Trainer):
 
     # ---- the run record -----------------------------------------------------------------------------------------
     def run_record(self, status: str, **extra: Any) -> Dict[str, Any]:
-        perplexity, downstream = split_eval_metrics(self.last_eval_metrics)
-        record = {
-            **(self.record_info or {}),
-            "status": status,
-            "step": self.global_step,
-            "tokens_seen": self.global_train_tokens_seen,
-            "max_steps": self.max_steps,
-            "token_budget": self.max_steps * self.tokens_per_batch,
-            "final_train_loss": self.cur_train_loss if math.isfinite(self.cur_train_loss) else None,
-            "loss_spikes": self.monitor.spike_count if self.monitor else 0,
-            "spikes": self.monitor.spikes if self.monitor else [],
-            "grad_spikes": self.monitor.grad_spikes if self.monitor else [],
-            "perplexity": perplexity,
-            "val_perplexity": next(iter(perplexity.values()), None),
-            "downstream": downstream,
-            "eval_step": self.last_eval_step,
-        }
-        record.update(extra)
-        return record
+        return run_record(self.record_info, status, step=self.global_step, tokens_seen=self.global_train_tokens_seen,
+                          max_steps=self.max_steps, tokens_per_batch=self.tokens_per_batch,
+                          loss=self.cur_train_loss, monitor=self.monitor, eval_metrics=self.last_eval_metrics,
+                          eval_step=self.last_eval_step, **extra)
 
     def save_record(self, status: str, **extra: Any) -> None:
         if self.record_info is not None and get_global_rank() == 0:

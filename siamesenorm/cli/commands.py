@@ -76,20 +76,41 @@ Examples:
     args, overrides = parser.parse_known_args(argv)
     _refuse_unknown_keys(args.config, overrides)
     _logging()
-    from siamesenorm.ai2_olmo.train import Terminated, main
+
+    def start() -> int:
+        from siamesenorm.ai2_olmo.train import main
+
+        return main(args.config, overrides, dry=args.dry_run)
+
+    _train_to_exit(start)
+
+
+def _train_to_exit(start, refusals: tuple = ()) -> None:
+    """How both training commands end (siamesenorm/run/lifecycle.py's table): the run's exit status; a refusal,
+    a read-only folder or a full disk as one line and exit 2; a signal as one line and 128 + its number."""
     from siamesenorm.run.checkpoints import UnsafeCheckpoint
+    from siamesenorm.run.lifecycle import Terminated
+    from siamesenorm.run.safeload import refusal_inside
 
     try:
-        code = main(args.config, overrides, dry=args.dry_run)
-    except (_config_error(), UnsafeCheckpoint) as e:
+        code = start()
+    except (_config_error(), UnsafeCheckpoint, *refusals) as e:
         _refuse(e)
     except Terminated as e:  # preemption: the record says stopped; the same command resumes
         print(f"stopped: {e}; rerun the same command to resume from the latest checkpoint", file=sys.stderr)
         sys.exit(128 + e.signum)
-    except KeyboardInterrupt:  # Ctrl-C: the record says stopped (siamesenorm/ai2_olmo/train.py); one line, not a traceback
+    except KeyboardInterrupt:  # Ctrl-C: the record says stopped; one line, not a traceback
         print("stopped: interrupted (Ctrl-C); rerun the same command to resume from the latest checkpoint",
               file=sys.stderr)
         sys.exit(130)
+    except PermissionError as e:  # a read-only save folder (or a file in it)
+        _refuse(f"cannot write {e.filename or 'the run folder'} ({e.strerror}): make the save folder writable, or "
+                "pass another --save_folder")
+    except BaseException as e:  # torch.distributed.checkpoint wraps a refused item in a CheckpointException
+        refused = refusal_inside(e)
+        if refused is None:
+            raise
+        _refuse(refused)
     sys.exit(code)
 
 
@@ -104,7 +125,9 @@ def olmo_core_train_main(argv=None) -> None:
 
 Overrides: as scripts/train.py (--save_folder=runs/x --max_duration=1000 --stop_at=500 ...).
 Rerunning the same command resumes from the latest checkpoint in save_folder (OLMo-core's distributed checkpoints).
-The run folder gets metrics.jsonl (every step's metrics), OLMo-core's checkpoints step<N>/ and its work files.
+The run folder gets what scripts/train.py writes (config.yaml, run.json, metrics.jsonl, console.log), OLMo-core's
+checkpoints step<N>/ and its work files. One run per folder; SIGTERM or Ctrl-C saves a checkpoint, the record says
+stopped, the exit status is 143 or 130, and the same command resumes.
 docs/training.md, "The OLMo-core path", says what of a recipe is used and what this path does not have yet.
 
 Examples:
@@ -115,26 +138,15 @@ Examples:
     parser.add_argument("config", help="YAML recipe (configs/*.yaml), the same files scripts/train.py reads")
     args, overrides = parser.parse_known_args(argv)
     _refuse_unknown_keys(args.config, overrides)
-    from siamesenorm.run.checkpoints import UnsafeCheckpoint
-
+    _logging()
     try:
         from olmo_core.exceptions import OLMoConfigurationError as CoreConfigError
 
         from siamesenorm.olmo_core.train import main
-
-        main(args.config, overrides)
     except ImportError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
-    except (_config_error(), CoreConfigError, UnsafeCheckpoint, FileNotFoundError, ValueError) as e:
         _refuse(e)
-    except BaseException as e:  # torch.distributed.checkpoint wraps a refused item in a CheckpointException
-        from siamesenorm.run.safeload import refusal_inside
 
-        refused = refusal_inside(e)
-        if refused is None:
-            raise
-        _refuse(refused)
+    _train_to_exit(lambda: main(args.config, overrides), (CoreConfigError, FileNotFoundError, ValueError))
 
 
 def prepare_data_main(argv=None) -> None:

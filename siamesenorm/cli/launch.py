@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     if typo:
         print(f"error: {typo}", file=sys.stderr)
         return 2
-    from siamesenorm.ai2_olmo.train import QUIET_DIVERGENCE  # after --help: it imports torch and OLMo
+    from siamesenorm.run.lifecycle import QUIET_DIVERGENCE  # after --help: it imports torch and OLMo
 
     cmd = [sys.executable, "-m", "torch.distributed.run", *torchrun_args, str(ROOT / "scripts" / "train.py"), config,
            *overrides]

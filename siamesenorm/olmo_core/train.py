@@ -1,12 +1,20 @@
-"""Train any MODEL_TYPE with OLMo-core's own machinery, from one of our recipes.
+"""Train any MODEL_TYPE with OLMo-core's own machinery, from one of our recipes: the thin OLMo-core adapter of the run
+layer (siamesenorm/run/lifecycle.py).
 
 ``python scripts/train_olmo_core.py RECIPE.yaml [--key=value ...]`` (or under ``torchrun``) reads the same recipe
 files as the ai2-olmo path (``load_config``: the same overrides and checks before step 1) and builds OLMo-core's
 components from them: the model from ``transformer_config`` (``MODEL_TYPE`` selects the block), OLMo-core's
-``NumpyFSLDataset`` over the recipe's token files, its ``TransformerTrainModule`` (AdamW, cosine schedule with
-warmup, gradient clipping, z-loss; FSDP over the data-parallel processes when launched with more than one), and its
-``Trainer`` with its checkpointer: rerunning the same command resumes from the latest checkpoint in
-``save_folder`` (OLMo-core's ``load_strategy: if_available``). Each step's loss lands in ``metrics.jsonl``.
+``NumpyFSLDataset`` over the recipe's token files, its ``TransformerTrainModule`` (AdamW, the recipe's cosine
+schedule with warmup, gradient clipping, z-loss; FSDP over the data-parallel processes when launched with more than
+one), and its ``Trainer`` with its checkpointer.
+
+What the run layer gives this path, as it gives the ai2-olmo one (``open_run``, ``train_to_the_end``): one run per
+save folder, the rerun rules (resume, restart, nothing to do when finished, refuse another model or other token
+files), the data checks and fingerprint, the run record (run.json) with the same fields and statuses, the
+divergence guard (ours: ``RunCallback`` feeds it OLMo-core's reduced loss and gradient norm and cancels the run
+through OLMo-core), one console line a step with the ETA and a closing summary, and the exit statuses of a signal
+(OLMo-core saves a checkpoint when SIGTERM or SIGINT cancels the run; the record says ``stopped``; the exit status
+is 143 or 130; the same command resumes).
 
 What it maps (and what it does not) is in docs/training.md, "The OLMo-core path".
 """
@@ -16,56 +24,170 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass
+import re
+import signal
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from olmo_core.config import DType
 from olmo_core.data import NumpyDataLoaderConfig, NumpyFSLDatasetConfig, TokenizerConfig
 from olmo_core.distributed.parallel import DataParallelType
-from olmo_core.distributed.utils import get_rank
+from olmo_core.distributed.utils import barrier, get_rank, get_world_size
 from olmo_core.nn.moe import MoERouter
 from olmo_core.nn.moe.mlp import MoEMLPBase
 from olmo_core.optim import AdamWConfig, CosWithWarmup, OptimGroupOverride
 from olmo_core.train import Duration, TrainerConfig, prepare_training_environment, teardown_training_environment
-from olmo_core.train.callbacks import Callback, CheckpointerCallback
+from olmo_core.train.callbacks import CheckpointerCallback, ConsoleLoggerCallback
 from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
+from olmo_core.utils import setup_logging as setup_core_logging
+from olmo_core.version import VERSION as OLMO_CORE_VERSION
 
 from siamesenorm.olmo_core.config import enum_value, transformer_config  # checks the OLMo-core release first
-from siamesenorm.run.folder import FINGERPRINT_NAME, check_same_data, data_fingerprint
+from siamesenorm.run.console import closing_line, detach_run_logs, keep_our_console, step_line
+from siamesenorm.run.folder import read_record, settle_run_folder, truncate_metrics
+from siamesenorm.run.lifecycle import (
+    Plan,
+    Terminated,
+    describe_run,
+    open_run,
+    record_info,
+    resumed_attempts,
+    run_record,
+    say_done,
+    train_to_the_end,
+    warmup_steps,
+)
 from siamesenorm.run.process import pin_cpu_threads
-from siamesenorm.run.recipe import RunError, check_batch_split, check_data, load_config, validate_run
+from siamesenorm.run.recipe import RunError, check_batch_split, check_data, load_config, unigram_loss, validate_run
+from siamesenorm.run.records import METRICS_NAME, RECORD_NAME, write_record
 from siamesenorm.run.safeload import checked_olmo_core_loads
+from siamesenorm.run.stability import Diverged, StabilityMonitor
 
 log = logging.getLogger(__name__)
 
-__all__ = ["main", "build_components", "MetricsFileCallback", "no_decay_names", "keep_data_fingerprint"]
+__all__ = ["main", "build_components", "RunCallback", "no_decay_names", "FRAMEWORK"]
+
+#: What the run record's ``framework`` says for a run of this path.
+FRAMEWORK = f"OLMo-core {OLMO_CORE_VERSION}"
+#: OLMo-core's own check of the reduced loss, raised before any callback sees a non-finite loss.
+_NONFINITE = re.compile(r"(nan|-?inf) loss encountered at step (\d+)")
 
 
 @dataclass
-class MetricsFileCallback(Callback):
-    """Appends each step's metrics to ``<save_folder>/metrics.jsonl`` (rank 0), one JSON object per line, and on a
-    resume drops the lines of steps after the checkpoint (they are trained again)."""
+class RunCallback(ConsoleLoggerCallback):
+    """The run layer inside OLMo-core's Trainer, in place of its console logger (rank 0 writes and prints).
 
-    path: Optional[str] = None
+    * each step's row in ``metrics.jsonl``, in the ai2-olmo path's fields (step, tokens, loss, lr, grad_norm,
+      tokens_per_second_per_device, loss_spikes, grad_spikes, time); on a resume, rows after the checkpoint go;
+    * the divergence guard on OLMo-core's reduced loss and gradient norm: a verdict cancels the run through
+      OLMo-core (every rank stops at the next check) with the checkpointer switched off, so no diverged state is
+      saved; its state is this callback's, which OLMo-core keeps in every checkpoint;
+    * one console line a logged step (run/console.py's ``step_line``: loss, grad norm, lr, tokens/s, ETA);
+    * which signal cancelled the run (OLMo-core's own handler cancels it; this one also notes the signal).
+    """
+
+    folder: Optional[str] = None
+    monitor: Optional[StabilityMonitor] = None
+    diverged: Optional[Diverged] = None
+    signal_received: Optional[int] = None
+    last_loss: Optional[float] = None
+    restored_stability: bool = False
+    _tps: Optional[float] = field(default=None, repr=False)
+    _clock: Optional[tuple] = field(default=None, repr=False)
+
+    def post_step(self):  # OLMo-core's progress marker lines: the step line below says it
+        pass
 
     def pre_train(self):
-        if self.path is None or get_rank() != 0:
-            return
-        file = Path(self.path)
-        if file.is_file():
-            kept = [line for line in file.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= self.trainer.global_step]
-            file.write_text("".join(line + "\n" for line in kept))
+        for signum in (signal.SIGTERM, signal.SIGINT):  # OLMo-core installed its handlers just before this
+            signal.signal(signum, self._noting(signal.getsignal(signum)))
+        if get_rank() == 0 and self.folder is not None and self.trainer.global_step > 0:
+            dropped = truncate_metrics(Path(self.folder) / METRICS_NAME, self.trainer.global_step)
+            if dropped:
+                log.info("metrics: dropped %d rows logged after step %d by the interrupted attempt", dropped,
+                         self.trainer.global_step)
+
+    def _noting(self, handler):
+        def note(signum, frame):
+            self.signal_received = signum
+            if callable(handler):
+                handler(signum, frame)
+        return note
 
     def log_metrics(self, step: int, metrics: Dict[str, float]):
-        if self.path is None or get_rank() != 0:
+        self._tps = metrics.get("throughput/device/TPS", self._tps)
+        loss = metrics.get("train/CE loss")
+        if loss is None:
             return
-        record = {"step": step, **{k: float(v) for k, v in metrics.items()}}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        grad_norm = metrics.get("optim/total grad norm")
+        self.last_loss = float(loss)
+        row: Dict[str, Any] = {"step": step, "tokens": step * self.trainer.tokens_per_batch, "loss": float(loss),
+                               "lr": metrics.get("optim/LR (group 0)"), "grad_norm": grad_norm,
+                               "tokens_per_second_per_device": self._tps}
+        if self.monitor is not None and self.diverged is None:
+            try:
+                self.monitor.update(step, float(loss), grad_norm)
+            except Diverged as diverged:
+                self.stop_diverged(diverged)
+                row["diverged"] = diverged.reason
+            row.update(loss_spikes=self.monitor.spike_count, grad_spikes=len(self.monitor.grad_spikes))
+        row["time"] = time.time()
+        if get_rank() != 0:
+            return
+        if self.folder is not None:
+            with open(Path(self.folder) / METRICS_NAME, "a") as f:
+                f.write(json.dumps(row) + "\n")
+        shown = {"train/CrossEntropyLoss": loss, "optim/total_grad_norm": grad_norm,
+                 "optim/learning_rate_group0": row["lr"], "throughput/device/tokens_per_second": self._tps}
+        if self.monitor is not None:
+            shown.update({"stability/loss_spikes": row["loss_spikes"], "stability/grad_spikes": row["grad_spikes"]})
+        log.info(step_line(step, self.trainer.max_steps or 0, {k: v for k, v in shown.items() if v is not None},
+                           *self._elapsed_and_eta(step)))
+
+    def stop_diverged(self, diverged: Diverged) -> None:
+        self.diverged = diverged
+        self.trainer.callbacks["checkpointer"].enabled = False  # no diverged state to resume from
+        self.trainer.cancel_run(f"divergence guard: {diverged.reason}")
+        log.warning("divergence guard: stopping at step %d: %s", diverged.step, diverged.reason)
+
+    def _elapsed_and_eta(self, step: int) -> tuple:
+        now = time.time()
+        if self._clock is None:
+            self._clock = (now, step)
+        started, first = self._clock
+        done = step - first
+        left = max(0, (self.trainer.max_steps or step) - step)
+        return now - started, ((now - started) / done * left if done > 0 else None)
+
+    def state_dict(self) -> Dict[str, Any]:
+        return {"stability": self.monitor.state_dict()} if self.monitor is not None else {}
+
+    def load_state_dict(self, state_dict: Dict[str, Any]):
+        loaded = (state_dict or {}).get("stability")
+        self.restored_stability = bool(self.monitor is not None and loaded is not None
+                                       and self.monitor.load_state_dict(loaded))
+        if self.monitor is not None and loaded is not None and not self.restored_stability:
+            log.warning("the checkpoint's divergence-guard state is malformed; the guard starts afresh")
+
+    def outcome(self) -> Optional[BaseException]:
+        """How a ``fit`` that returned normally ended early, as the run layer's exception (None: it did not):
+        the guard's verdict (on every rank, from the broadcast cancel reason), or the signal that cancelled it."""
+        verdict = [None if self.diverged is None else (self.diverged.step, str(self.diverged.reason),
+                                                        self.diverged.kind)]
+        if dist.is_initialized() and dist.get_world_size() > 1:  # every rank returned from fit: a collective is safe
+            dist.broadcast_object_list(verdict, src=0)
+        if verdict[0] is not None:
+            return Diverged(*verdict[0])
+        if self.signal_received == signal.SIGTERM:
+            return Terminated(signal.SIGTERM)
+        if self.signal_received == signal.SIGINT:
+            return KeyboardInterrupt()
+        return None
 
 
 def no_decay_names(model, cfg) -> List[str]:
@@ -155,20 +277,7 @@ def build_components(cfg, world_size: int = 1):
     trainer = trainer.with_callback("checkpointer", CheckpointerCallback(
         save_interval=int(cfg.save_interval), ephemeral_save_interval=None,
         save_async=None if torch.cuda.is_available() else False))
-    trainer = trainer.with_callback("metrics_file", MetricsFileCallback(path=str(Path(save_folder) / "metrics.jsonl")))
     return model_config, train_module, data, loader, trainer
-
-
-def keep_data_fingerprint(cfg) -> None:
-    """As on the ai2-olmo path: a run that resumes (a checkpoint in save_folder) must see the token files it
-    started with (``check_same_data``: size and the files' own bytes; ``--resume_on_new_data`` to continue on
-    others); a fresh run writes their fingerprint (rank 0)."""
-    folder = Path(cfg.save_folder)
-    if any(folder.glob("step*/model_and_optim/.metadata")):
-        check_same_data(cfg)
-    elif get_rank() == 0:
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / FINGERPRINT_NAME).write_text(json.dumps(data_fingerprint(cfg), indent=1) + "\n")
 
 
 def scheduler_config(cfg) -> CosWithWarmup:
@@ -186,23 +295,97 @@ def scheduler_config(cfg) -> CosWithWarmup:
                          t_max=None if sched.t_max is None else int(sched.t_max))
 
 
-def main(recipe: str, overrides: List[str]) -> None:
-    """Train from ``recipe`` with ``overrides`` (``--key=value``) through OLMo-core's Trainer."""
+def main(recipe: str, overrides: List[str]) -> int:
+    """Train from ``recipe`` with ``overrides`` (``--key=value``) through OLMo-core's Trainer; the exit status."""
     cfg = load_config(recipe, overrides)
+    if not any(o.startswith("--run_name") for o in overrides or []):
+        cfg.run_name = Path(cfg.save_folder).name  # one name per run folder, as on the ai2-olmo path
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    # CPU: gloo only, and no async bookkeeping (on a gloo-only group its metric reduction never returned here)
-    backend = ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo") if world_size > 1 else None
-    pin_cpu_threads()  # before OLMo-core's set-up, which would set OMP_NUM_THREADS=8 on any machine
-    prepare_training_environment(seed=cfg.seed, backend=backend)
-    try:
-        model_config, train_module_config, data_config, loader_config, trainer_config = build_components(cfg, world_size)
-        keep_data_fingerprint(cfg)
-        model = model_config.build(init_device="meta")
-        train_module = train_module_config.build(model)
-        dataset = data_config.build()
-        loader = loader_config.build(dataset, dp_process_group=train_module.dp_process_group)
-        with checked_olmo_core_loads():  # a checkpoint from elsewhere (or planted in save_folder) runs nothing
-            trainer = trainer_config.build(train_module, loader)
-            trainer.fit()
-    finally:
-        teardown_training_environment()
+    with open_run(cfg, world_size, olmo_core=True) as plan:
+        if plan.action == "done":
+            say_done(cfg, plan)
+            return 0
+        # CPU: gloo only, and no async bookkeeping (on a gloo-only group its metric reduction never returned here)
+        backend = ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo") if world_size > 1 else None
+        pin_cpu_threads()  # before OLMo-core's set-up, which would set OMP_NUM_THREADS=8 on any machine
+        with keep_our_console():  # OLMo-core configures logging once (its handlers replace ours): then ours again
+            setup_core_logging()
+        prepare_training_environment(seed=cfg.seed, backend=backend)  # logs through our handlers
+        try:
+            return train(cfg, recipe, plan)
+        finally:
+            detach_run_logs()
+            teardown_training_environment()
+
+
+def train(cfg, recipe: str, plan: Plan) -> int:
+    """Settle the folder, build OLMo-core's components and the run layer's callback, then train to the end."""
+    lead = get_rank() == 0
+    console_log = settle_run_folder(cfg, plan.action, plan.load_path) if lead else None
+    barrier()
+    previous = read_record(Path(cfg.save_folder)) if plan.action == "resume" else {}
+    model_config, train_module_config, data_config, loader_config, trainer_config = build_components(
+        cfg, get_world_size())
+    if plan.action == "load":
+        trainer_config.load_path = str(plan.load_path)
+    unigram = None
+    if cfg.stability.unigram_loss is None and cfg.data.paths:
+        unigram = unigram_loss([str(p) for p in cfg.data.paths], str(cfg.data.memmap_dtype), cfg.model.vocab_size)
+    monitor = StabilityMonitor(cfg.stability, cfg.model.vocab_size, warmup_steps(cfg), unigram)
+    callback = RunCallback(folder=str(cfg.save_folder), monitor=monitor if cfg.stability.enabled else None)
+    trainer_config = trainer_config.with_callback("console_logger", callback)
+    model = model_config.build(init_device="meta")
+    n_params = sum(p.numel() for p in model.parameters())
+    train_module = train_module_config.build(model)
+    dataset = data_config.build()
+    loader = loader_config.build(dataset, dp_process_group=train_module.dp_process_group)
+    if lead:
+        for line in describe_run(cfg, plan, n_params, console_log, FRAMEWORK):
+            log.info(line)
+    info = record_info(cfg, recipe, plan, n_params, monitor, get_world_size(), FRAMEWORK)
+    with checked_olmo_core_loads():  # a checkpoint from elsewhere (or planted in save_folder) runs nothing
+        trainer = trainer_config.build(train_module, loader)
+
+        def save_record(status: str, **extra: Any) -> None:
+            if lead:
+                write_record(cfg.save_folder, run_record(
+                    info, status, step=trainer.global_step, tokens_seen=trainer.global_train_tokens_seen,
+                    max_steps=trainer.max_steps or 0, tokens_per_batch=trainer.tokens_per_batch,
+                    loss=callback.last_loss, monitor=callback.monitor, eval_metrics={}, eval_step=None, **extra))
+
+        def fit() -> None:
+            try:
+                trainer.fit()
+            except RuntimeError as err:  # OLMo-core's own check of a non-finite loss: the guard's first rule
+                found = _nonfinite_loss(err)
+                if found is None:
+                    raise
+                raise found from None
+            ended = callback.outcome()
+            if ended is not None:
+                raise ended
+
+        if plan.action == "resume" and previous:
+            info["attempts"] = resumed_attempts(previous, _checkpoint_step(plan.load_path))
+        code = train_to_the_end(fit, save_record, lambda: trainer.global_step >= (trainer.max_steps or 0),
+                                monitor.convergence, Path(cfg.save_folder) / RECORD_NAME, lead)
+    if lead and code == 0:
+        log.info(closing_line(callback.last_loss, {}, trainer.global_step, trainer.max_steps or 0,
+                              Path(cfg.save_folder) / RECORD_NAME))
+    return code
+
+
+def _checkpoint_step(path: Optional[str]) -> int:
+    match = re.search(r"step(\d+)", Path(path or "").name)
+    return int(match.group(1)) if match else 0
+
+
+def _nonfinite_loss(err: BaseException) -> Optional[Diverged]:
+    """OLMo-core's "nan loss encountered at step N" (raised by its metric reduction, or wrapped as "An error
+    occurred" when that ran in a bookkeeping thread) as the guard's verdict."""
+    while err is not None:
+        match = _NONFINITE.search(str(err))
+        if match:
+            return Diverged(int(match.group(2)), f"non-finite loss ({match.group(1)})", "diverged")
+        err = err.__cause__ or err.__context__
+    return None

@@ -1,19 +1,21 @@
-"""What a training run prints: a few lines that say what runs, then one line per logged step; the same lines go
-to ``console.log`` in the run folder.
+"""What a training run prints, on either path: a few lines that say what runs, then one line per logged step, then
+a closing summary; the same lines go to ``console.log`` in the run folder.
 
 OLMo's Trainer prints every metric on its own line and narrates its internals (evaluation batches, each part of a
-checkpoint, data-order files); those narration lines are dropped from the console (``QuietOlmo``), while warnings
-and errors from OLMo always pass.
+checkpoint, data-order files); OLMo-core's narrates its set-up (about 270 lines: the model, the data, each
+callback). Those narration lines are dropped from the console (``QuietOlmo``), while warnings and errors from
+either framework always pass, and so do the few OLMo-core INFO lines a user acts on (``_CORE_KEPT``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import warnings
 from pathlib import Path
-from typing import Dict, Optional
+from typing import Dict, Iterator, Optional
 
 CONSOLE_LOG = "console.log"
 
@@ -37,6 +39,21 @@ _OLMO_NARRATION = (
     "Saving sharded checkpoint",
 )
 
+#: OLMo-core warnings that say nothing a user can act on: its set-up reporting that it kept the one thread we
+#: pinned (naming the 8 it would have set), and a fresh start having no checkpoint to load.
+_CORE_NOISE = (
+    "Will skip setting env var 'OMP_NUM_THREADS'",
+    "No checkpoint found in save folder",
+    "Training failed due to",  # the error itself reaches the command, which says it once (one line or a traceback)
+)
+#: OLMo-core INFO messages that pass; its other INFO lines are narration.
+_CORE_KEPT = (
+    "Loading checkpoint from",
+    "Saving checkpoint for step",
+    "Run canceled",
+    "Training for",
+)
+
 _FORMAT = "%(asctime)s [rank{rank}] %(levelname)s %(name)s: %(message)s"
 
 
@@ -46,15 +63,24 @@ def silence_known_warnings() -> None:
     enters ``torch.autocast("cuda")``, which torch disables with a warning when there is no GPU)."""
     warnings.filterwarnings("ignore", message=r"register_new_resolver\(\) is deprecated")
     warnings.filterwarnings("ignore", message=r"CUDA is not available or torch_xla is imported\. Disabling autocast")
+    # torch.distributed.checkpoint saving from one process without a process group (OLMo-core on one CPU)
+    warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
 
 
 class QuietOlmo(logging.Filter):
-    """Drops OLMo's INFO narration (``_OLMO_NARRATION``); everything else passes."""
+    """Drops OLMo's INFO narration (``_OLMO_NARRATION``), OLMo-core's INFO lines but ``_CORE_KEPT`` and its
+    ``_CORE_NOISE``; everything else passes."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if not record.name.startswith("olmo") or record.levelno > logging.INFO:
+        if not record.name.startswith("olmo"):
             return True
         message = record.getMessage()
+        if record.name.startswith("olmo_core") and message.startswith(_CORE_NOISE):
+            return False
+        if record.levelno > logging.INFO:
+            return True
+        if record.name.startswith("olmo_core"):
+            return message.startswith(_CORE_KEPT)
         return not message.startswith(_OLMO_NARRATION)
 
 
@@ -72,6 +98,24 @@ def setup_logging() -> None:
     root.setLevel(logging.INFO if rank == 0 else logging.WARNING)
     # datasets announces at import which torch it found (INFO); OLMo imports it, now after this setup
     logging.getLogger("datasets").setLevel(logging.WARNING)
+
+
+@contextlib.contextmanager
+def keep_our_console() -> Iterator[None]:
+    """OLMo-core's environment set-up replaces the root logger's handlers with its own (``basicConfig(force=True)``,
+    a line per record with host and rank): put ours back, with our format and ``QuietOlmo``."""
+    root = logging.getLogger()
+    before = list(root.handlers)
+    try:
+        yield
+    finally:
+        for handler in list(root.handlers):
+            if handler not in before:
+                root.removeHandler(handler)
+        for handler in before:
+            if handler not in root.handlers:
+                root.addHandler(handler)
+        setup_logging()
 
 
 def attach_run_log(folder: Path) -> Path:
@@ -142,3 +186,15 @@ def eval_line(label: str, step: int, metrics: Dict[str, float]) -> str:
         name = key.split("/")[-1]
         shown.append(f"{name} {_num(float(value), 2 if 'Perplexity' in name else 4)}")
     return f"eval {label} at step {step}: " + " | ".join(shown)
+
+
+def closing_line(loss: Optional[float], eval_metrics: Dict[str, float], step: int, max_steps: int,
+                 record: Path) -> str:
+    """The run's last line: its final training loss, each evaluator's perplexity, where it stopped, its record."""
+    parts = [f"final training loss: {_num(loss)}"]
+    for key, value in eval_metrics.items():
+        if key.endswith("/Perplexity"):
+            parts.append(f"{key.split('/')[1]} perplexity: {value:.2f}")
+    parts.append(f"step {step} of {max_steps}" + ("" if step >= max_steps else " (stopped early)"))
+    parts.append(f"record: {record}")
+    return " | ".join(parts)

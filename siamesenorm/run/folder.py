@@ -49,6 +49,7 @@ from siamesenorm.run.checkpoints import UnsafeCheckpoint, check_saved_yaml, load
 from siamesenorm.run.console import attach_run_log
 from siamesenorm.run.recipe import RunError, SiameseTrainConfig, manifest_entry
 from siamesenorm.run.records import RECORD_NAME
+from siamesenorm.run.safeload import refusal_inside
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +61,8 @@ __all__ = ["hold_run_folder", "LOCK_NAME", "plan_run", "clear_run_folder", "sett
 FINGERPRINT_NAME = "data-fingerprint.json"
 RUN_ARTEFACTS = ("config.yaml", RECORD_NAME, FINGERPRINT_NAME, "metrics.jsonl", "console.log", "train_data",
                  "data-indices", "wandb",
-                 "step*", "latest*")
+                 "step*", "latest*",
+                 "work", "dataset-cache")  # OLMo-core's work folder and its dataset's index cache
 
 
 LOCK_NAME = ".run.lock"
@@ -93,6 +95,9 @@ def hold_run_folder(folder: str | Path):
             yield
         except (OLMoConfigurationError, UnsafeCheckpoint):  # a refusal: a clean end, not a run that died
             refused = True
+            raise
+        except BaseException as err:  # a checkpoint refused inside OLMo-core's loader is a refusal too
+            refused = refusal_inside(err) is not None
             raise
         finally:
             if refused or not sys.exc_info()[0]:
@@ -172,8 +177,17 @@ def _read_json(path: Path) -> dict:
     return value if isinstance(value, dict) else {}
 
 
+def saved_config_path(load_path: str) -> Path:
+    """The config a checkpoint was trained with: ai2-olmo writes ``config.yaml`` into each checkpoint; an OLMo-core
+    checkpoint (``model_and_optim/``, no config.yaml) is judged by its run folder's ``config.yaml``."""
+    path = Path(load_path)
+    if not (path / "config.yaml").is_file() and (path / "model_and_optim").is_dir():
+        return path.parent / "config.yaml"
+    return path / "config.yaml"
+
+
 def checkpoint_model_type(load_path: str) -> Optional[str]:
-    cfg_path = Path(load_path) / "config.yaml"
+    cfg_path = saved_config_path(load_path)
     if not cfg_path.is_file():
         return None
     check_saved_yaml(cfg_path)
@@ -217,7 +231,7 @@ def check_resume_model(cfg: SiameseTrainConfig, load_path: str) -> None:
     """Refuse, before any step, to resume a checkpoint whose model differs from this run's in any field that
     defines it (sizes, norms, the variant knobs); MODEL_TYPE is settled by resolve_run_model_type. A checkpoint
     written before a knob existed is compared with the knob's old meaning (config.LEGACY_KNOBS)."""
-    saved_yaml = Path(load_path) / "config.yaml"
+    saved_yaml = saved_config_path(load_path)
     if not saved_yaml.is_file():
         return
     saved = load_saved_config(saved_yaml).model

@@ -171,7 +171,7 @@ RECORD_TYPES: Dict[str, tuple] = {
     "variant_knobs": (dict,), "recipe_hash": (str,), "config_hash": (str,), "parameters": (int,),
     "tokens_seen": (int,), "eval_step": (int,), "converged": (bool,), "world_size": (int,), "attempts": (list,),
     "max_steps": (int,), "token_budget": (int,), "unigram_loss": _NUMBER, "run_name": (str,), "stability": (dict,),
-    "evaluation": (dict,), "max_batches": (int,), "examples": (dict,)}
+    "evaluation": (dict,), "max_batches": (int,), "examples": (dict,), "framework": (str,)}
 _NUMBER_TABLES = ("perplexity", "downstream")
 
 

@@ -949,19 +949,22 @@ def checked_olmo_core_loads():
         yield
 
 
-def refusal_inside(error: BaseException) -> Optional["UnsafeCheckpoint"]:
-    """The UnsafeCheckpoint that ``error`` carries: itself, its cause or context, or one of the per-rank failures a
-    torch.distributed.checkpoint ``CheckpointException`` wraps; None if there is none."""
+def errors_within(error: BaseException):
+    """``error`` and every error it carries, each once: causes, contexts, and the per-rank failures a
+    torch.distributed.checkpoint ``CheckpointException`` wraps as (exception, traceback) pairs."""
     stack, seen = [error], set()
     while stack:
         err = stack.pop()
-        if err is None or id(err) in seen:
+        if not isinstance(err, BaseException) or id(err) in seen:
             continue
         seen.add(id(err))
-        if isinstance(err, UnsafeCheckpoint):
-            return err
+        yield err
         stack += [err.__cause__, err.__context__]
         failures = getattr(err, "failures", None)
         if isinstance(failures, dict):
             stack += [pair[0] if isinstance(pair, tuple) and pair else pair for pair in failures.values()]
-    return None
+
+
+def refusal_inside(error: BaseException) -> Optional["UnsafeCheckpoint"]:
+    """The UnsafeCheckpoint that ``error`` carries (``errors_within``); None if there is none."""
+    return next((err for err in errors_within(error) if isinstance(err, UnsafeCheckpoint)), None)

@@ -44,8 +44,8 @@ def _losses(folder):
     losses = {}
     for line in (Path(folder) / "metrics.jsonl").read_text().splitlines():
         record = json.loads(line)
-        if "train/CE loss" in record:
-            losses[record["step"]] = record["train/CE loss"]
+        if "loss" in record:
+            losses[record["step"]] = record["loss"]
     return losses
 
 
