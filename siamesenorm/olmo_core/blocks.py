@@ -41,6 +41,7 @@ from olmo_core.nn.attention import Attention  # noqa: E402
 from olmo_core.nn.layer_norm import LayerNormConfig, LayerNormType  # noqa: E402
 from olmo_core.nn.transformer.block import MoETransformerBlock, TransformerBlock, TransformerBlockBase  # noqa: E402
 
+from siamesenorm.models.core_state import QKV_HEAD_NORM_TYPES  # noqa: F401 (re-exported)
 from siamesenorm.nn.topologies import (
     HyperConnection,
     ManifoldHyperConnection,
@@ -436,8 +437,6 @@ CORE_BLOCKS: Dict[str, Type[TransformerBlockBase]] = {t: hosted(c, TransformerBl
 CORE_MOE_BLOCKS: Dict[str, Type[TransformerBlockBase]] = {t: hosted(c, MoETransformerBlock)
                                                           for t, c in TOPOLOGIES.items()}
 
-#: The MODEL_TYPEs whose attention normalises Q, K and V per head (HybridNorm's attention).
-QKV_HEAD_NORM_TYPES = ("hybrid", "hybrid_star", "hybrid_pre")
 
 
 def core_block_class(model_type: str, moe: bool = False) -> Type[TransformerBlockBase]:

@@ -46,8 +46,11 @@ from olmo_core.train.callbacks import CheckpointerCallback, ConsoleLoggerCallbac
 from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
 from olmo_core.utils import setup_logging as setup_core_logging
 from olmo_core.version import VERSION as OLMO_CORE_VERSION
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
+from siamesenorm.models.core_state import olmo_to_core_state
 from siamesenorm.olmo_core.config import enum_value, transformer_config  # checks the OLMo-core release first
+from siamesenorm.run.checkpoints import is_core_checkpoint, load_model_state
 from siamesenorm.run.console import closing_line, detach_run_logs, keep_our_console, step_line
 from siamesenorm.run.folder import read_record, settle_run_folder, truncate_metrics
 from siamesenorm.run.lifecycle import (
@@ -74,6 +77,8 @@ __all__ = ["main", "build_components", "RunCallback", "no_decay_names", "FRAMEWO
 
 #: What the run record's ``framework`` says for a run of this path.
 FRAMEWORK = f"OLMo-core {OLMO_CORE_VERSION}"
+#: OLMo-core's metrics that a row carries under the shared names (loss, grad_norm, lr, tokens_per_second_per_device).
+_SHOWN = ("train/CE loss", "optim/total grad norm", "optim/LR (group 0)", "throughput/device/TPS")
 #: OLMo-core's own check of the reduced loss, raised before any callback sees a non-finite loss.
 _NONFINITE = re.compile(r"(nan|-?inf) loss encountered at step (\d+)")
 
@@ -83,7 +88,9 @@ class RunCallback(ConsoleLoggerCallback):
     """The run layer inside OLMo-core's Trainer, in place of its console logger (rank 0 writes and prints).
 
     * each step's row in ``metrics.jsonl``, in the ai2-olmo path's fields (step, tokens, loss, lr, grad_norm,
-      tokens_per_second_per_device, loss_spikes, grad_spikes, time); on a resume, rows after the checkpoint go;
+      tokens_per_second_per_device, loss_spikes, grad_spikes, time) plus OLMo-core's other metrics of the step under
+      their own names (the MoE's load-balancing and router losses, the other groups' lr); on a resume, rows after
+      the checkpoint go;
     * the divergence guard on OLMo-core's reduced loss and gradient norm: a verdict cancels the run through
       OLMo-core (every rank stops at the next check) with the checkpointer switched off, so no diverged state is
       saved; its state is this callback's, which OLMo-core keeps in every checkpoint;
@@ -106,6 +113,13 @@ class RunCallback(ConsoleLoggerCallback):
     def pre_train(self):
         for signum in (signal.SIGTERM, signal.SIGINT):  # OLMo-core installed its handlers just before this
             signal.signal(signum, self._noting(signal.getsignal(signum)))
+        optim = getattr(self.trainer.train_module, "optim", None)
+        if self.trainer.global_step == 0 and not self.trainer.checkpoint_loaded and optim is not None:
+            # The step-0 checkpoint (the checkpointer runs first) read the optimizer's state through torch's
+            # get_optimizer_state_dict, which creates it with one zero-gradient step: AdamW's step count 1 with
+            # empty moments, so the first real update would be 0.73 x lr (its bias correction one step off).
+            # The run starts with the optimizer a fresh run has, as on the ai2-olmo path.
+            optim.state.clear()
         if get_rank() == 0 and self.folder is not None and self.trainer.global_step > 0:
             dropped = truncate_metrics(Path(self.folder) / METRICS_NAME, self.trainer.global_step)
             if dropped:
@@ -137,6 +151,7 @@ class RunCallback(ConsoleLoggerCallback):
                 row["diverged"] = diverged.reason
             row.update(loss_spikes=self.monitor.spike_count, grad_spikes=len(self.monitor.grad_spikes))
         row["time"] = time.time()
+        row.update({k: float(v) for k, v in metrics.items() if k not in _SHOWN})  # OLMo-core's own (MoE losses ...)
         if get_rank() != 0:
             return
         if self.folder is not None:
@@ -276,6 +291,7 @@ def build_components(cfg, world_size: int = 1):
     # CPU: synchronous saves (an async save's collectives on a second gloo group could interleave with training's)
     trainer = trainer.with_callback("checkpointer", CheckpointerCallback(
         save_interval=int(cfg.save_interval), ephemeral_save_interval=None,
+        pre_train_checkpoint=False if cfg.no_pre_train_checkpoint else None,  # the recipe's, as OLMo's train script
         save_async=None if torch.cuda.is_available() else False))
     return model_config, train_module, data, loader, trainer
 
@@ -326,8 +342,11 @@ def train(cfg, recipe: str, plan: Plan) -> int:
     previous = read_record(Path(cfg.save_folder)) if plan.action == "resume" else {}
     model_config, train_module_config, data_config, loader_config, trainer_config = build_components(
         cfg, get_world_size())
-    if plan.action == "load":
-        trainer_config.load_path = str(plan.load_path)
+    start_weights = None
+    if plan.action == "load" and is_core_checkpoint(plan.load_path):
+        trainer_config.load_path = str(plan.load_path)  # OLMo-core restores its own checkpoint
+    elif plan.action == "load":  # an ai2-olmo checkpoint: its weights, renamed, start this run (a fresh optimizer)
+        start_weights = olmo_to_core_state(load_model_state(plan.load_path, plan.model_type), cfg.model)
     unigram = None
     if cfg.stability.unigram_loss is None and cfg.data.paths:
         unigram = unigram_loss([str(p) for p in cfg.data.paths], str(cfg.data.memmap_dtype), cfg.model.vocab_size)
@@ -337,6 +356,9 @@ def train(cfg, recipe: str, plan: Plan) -> int:
     model = model_config.build(init_device="meta")
     n_params = sum(p.numel() for p in model.parameters())
     train_module = train_module_config.build(model)
+    if start_weights is not None:  # after OLMo-core's init, so the loaded weights are what trains
+        set_model_state_dict(train_module.model, start_weights, options=StateDictOptions(full_state_dict=True))
+        log.info("starting from the weights of %s (ai2-olmo checkpoint; the optimizer starts fresh)", plan.load_path)
     dataset = data_config.build()
     loader = loader_config.build(dataset, dp_process_group=train_module.dp_process_group)
     if lead:

@@ -1,4 +1,9 @@
-"""Read the config and the model weights of an OLMo checkpoint folder written by our training runs."""
+"""Read the config and the model weights of a checkpoint folder written by our training runs, on either path: an
+ai2-olmo checkpoint (``stepN-unsharded/model.pt`` or ``stepN/rank*.pt``, each with its config.yaml) or an OLMo-core
+one (``stepN/model_and_optim/``, a torch.distributed checkpoint; its config is the run folder's config.yaml). An
+OLMo-core checkpoint's model is read in one process through the same checks as a resume (``checked_olmo_core_loads``)
+and renamed to the ai2-olmo model's names (``core_to_olmo_state``): every tool that takes a checkpoint (export_hf,
+evaluate, generate, analyze) takes either."""
 
 from __future__ import annotations
 
@@ -14,11 +19,13 @@ from omegaconf import OmegaConf as om
 
 from siamesenorm.models.build import build_model
 from siamesenorm.models.config import LEGACY_KNOBS
+from siamesenorm.models.core_state import core_to_olmo_state
 from siamesenorm.run.recipe import load_config
 from siamesenorm.run.safeload import (  # noqa: F401 (UnsafeCheckpoint, allow_checkpoint_types: re-exported)
     UnsafeCheckpoint,
     allow_checkpoint_types,
     checked_loads,
+    checked_olmo_core_loads,
     load,
     sharded_tensors_in_one_process,
 )
@@ -26,7 +33,8 @@ from siamesenorm.run.safeload import (  # noqa: F401 (UnsafeCheckpoint, allow_ch
 log = logging.getLogger(__name__)
 
 __all__ = ["load_model_state", "load_saved_config", "legacy_overrides", "allow_checkpoint_types", "UnsafeCheckpoint",
-           "check_saved_yaml"]
+           "check_saved_yaml", "is_core_checkpoint", "config_of", "load_core_model_state", "checkpoint_folder",
+           "load_model"]
 
 
 MAX_CONFIG_BYTES = 2**20
@@ -74,10 +82,37 @@ def load_saved_config(config_yaml: str | Path, overrides: Optional[List[str]] = 
     return load_config(str(config_yaml), legacy_overrides(config_yaml) + list(overrides or []))
 
 
-def load_model_state(checkpoint_dir: str | Path) -> Dict[str, torch.Tensor]:
-    """Full (unsharded) model state dict of an unsharded (``stepN-unsharded/model.pt``) or a torch_legacy sharded
-    checkpoint (``stepN/rank*.pt``, unsharded here in one process)."""
+def is_core_checkpoint(folder: str | Path) -> bool:
+    """An OLMo-core checkpoint folder (``model_and_optim/.metadata``)."""
+    return (Path(folder) / "model_and_optim" / ".metadata").is_file()
+
+
+def config_of(folder: str | Path) -> Path:
+    """The config.yaml a checkpoint folder was trained with (an OLMo-core checkpoint's: its run folder's)."""
+    folder = Path(folder)
+    return folder.parent / "config.yaml" if is_core_checkpoint(folder) else folder / "config.yaml"
+
+
+def load_core_model_state(folder: str | Path, model_type: str) -> Dict[str, torch.Tensor]:
+    """The model of an OLMo-core checkpoint, unsharded in this process, under the ai2-olmo model's names."""
+    from olmo_core.distributed.checkpoint import get_checkpoint_metadata, load_keys
+
+    path = Path(folder) / "model_and_optim"
+    with checked_olmo_core_loads():  # the .metadata pickle and every item checked before torch reads it
+        keys = [k for k in get_checkpoint_metadata(str(path)).state_dict_metadata if k.startswith("model.")]
+        values = list(load_keys(str(path), keys))
+    return core_to_olmo_state({k[len("model."):]: v for k, v in zip(keys, values)}, model_type)
+
+
+def load_model_state(checkpoint_dir: str | Path, model_type: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """Full (unsharded) model state dict of an unsharded (``stepN-unsharded/model.pt``), a torch_legacy sharded
+    (``stepN/rank*.pt``, unsharded here in one process) or an OLMo-core checkpoint (its model's MODEL_TYPE from
+    ``model_type`` or the run's config)."""
     folder = Path(checkpoint_dir)
+    if is_core_checkpoint(folder):
+        if model_type is None:
+            model_type = load_saved_config(config_of(folder)).model.model_type or "pre"
+        return load_core_model_state(folder, model_type)
     if (folder / "model.pt").is_file():
         return load(folder / "model.pt", map_location="cpu")
     if list(folder.glob("rank*.pt")):
@@ -93,9 +128,12 @@ def load_model_state(checkpoint_dir: str | Path) -> Dict[str, torch.Tensor]:
 
 
 def checkpoint_folder(path: str | Path) -> Path:
-    """A checkpoint folder (config.yaml + model.pt or rank*.pt) from itself or from a run folder (its latest)."""
+    """A checkpoint folder (config.yaml + model.pt or rank*.pt; or an OLMo-core checkpoint in a run folder with its
+    config.yaml) from itself or from a run folder (its latest)."""
     folder = Path(path)
     if (folder / "config.yaml").is_file() and ((folder / "model.pt").is_file() or list(folder.glob("rank*.pt"))):
+        return folder
+    if is_core_checkpoint(folder) and config_of(folder).is_file():
         return folder
 
     latest = find_latest_checkpoint(folder) if folder.is_dir() else None
@@ -107,8 +145,8 @@ def checkpoint_folder(path: str | Path) -> Path:
 def load_model(path: str | Path):
     """(model in eval mode on CPU, its SiameseTrainConfig) from a checkpoint or run folder."""
     folder = checkpoint_folder(path)
-    cfg = load_saved_config(folder / "config.yaml")
+    cfg = load_saved_config(config_of(folder))
     cfg.model.init_device = "cpu"
     model = build_model(cfg.model, cfg.model.model_type or "pre", init_params=False)
-    model.load_state_dict(load_model_state(folder))
+    model.load_state_dict(load_model_state(folder, cfg.model.model_type or "pre"))
     return model.eval(), cfg
