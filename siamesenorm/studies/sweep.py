@@ -7,6 +7,8 @@ A plan (YAML, e.g. studies/cpu-lr-grid/sweep.yaml)::
     runs: runs/study                   # checkpoints and full logs (not committed)
     results: studies/cpu-lr-grid/results         # what is kept per cell (committed): run.json, metrics.jsonl.gz, analyses
     overrides: []                      # --key=value added to every cell
+    framework: ai2_olmo                # who trains each cell: ai2_olmo (scripts/train.py, the default) or
+                                       # olmo_core (scripts/train_olmo_core.py); records, results and analyses alike
     groups:                            # cells = the product of each group's lists
       - {methods: [pre, hybrid_pre], learning_rates: [1e-2, 1e-1], seeds: [1]}
       - {methods: [hybrid_pre], learning_rates: [1e-2], seeds: [1], knobs: {siamese_depth_scaling: false}}
@@ -71,9 +73,10 @@ class Cell:
         changes = "".join(f"-{k}={_fmt(v)}" for k, v in self.knobs + self.settings)
         return f"{self.model_type}{changes}-lr{_fmt(self.learning_rate)}-s{self.seed}"
 
-    def overrides(self) -> List[str]:
-        every = [] if self.analyse_every is None else [
-            f"--save_interval_unsharded={self.analyse_every}", "--save_num_unsharded_checkpoints_to_keep=-1"]
+    def overrides(self, framework: str = "ai2_olmo") -> List[str]:
+        every = [] if self.analyse_every is None else [  # OLMo-core keeps every periodic checkpoint by default
+            f"--save_interval_unsharded={self.analyse_every}", "--save_num_unsharded_checkpoints_to_keep=-1"
+        ] if framework == "ai2_olmo" else [f"--save_interval={self.analyse_every}"]
         return ([f"--optimizer.learning_rate={self.learning_rate}", f"--seed={self.seed}"]
                 + [f"--model.{k}={_fmt(v)}" for k, v in self.knobs]
                 + [f"--{k}={_fmt(v)}" for k, v in self.settings] + every)
@@ -96,6 +99,11 @@ class Plan:
     overrides: List[str] = field(default_factory=list)
     analysis_sequences: int = 32
     analysis_tokens: Optional[str] = None  # token files for the analyses; None: the recipe's lm evaluator's
+    framework: str = "ai2_olmo"  # FRAMEWORKS: which training command trains each cell
+
+
+#: A plan's ``framework``: the training command of each cell, and the glob of its checkpoints (``analyse_every``).
+FRAMEWORKS = {"ai2_olmo": ("train.py", "step*-unsharded"), "olmo_core": ("train_olmo_core.py", "step[0-9]*")}
 
 
 class PlanError(ValueError):
@@ -157,8 +165,11 @@ def load_plan(path: str | Path) -> Plan:
             cell = Cell(mt, float(lr), int(seed), knobs, settings, None if every is None else int(every))
             if cell not in cells:
                 cells.append(cell)
+    framework = raw.get("framework", "ai2_olmo")
+    if framework not in FRAMEWORKS:
+        raise PlanError(f"{path}: framework must be one of {', '.join(FRAMEWORKS)} (got {framework!r})")
     return Plan(raw["recipe"], raw["runs"], raw["results"], cells, list(raw.get("overrides") or []),
-                int(raw.get("analysis_sequences", 32)), raw.get("analysis_tokens"))
+                int(raw.get("analysis_sequences", 32)), raw.get("analysis_tokens"), framework)
 
 
 def status(plan: Plan, cell: Cell) -> Optional[str]:
@@ -174,8 +185,9 @@ def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
     """Train one cell (resuming if it was cut off), keep its results, analyse it; returns its final status."""
     run_dir = Path(plan.runs) / cell.name
     out = Path(plan.results) / cell.name
-    cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), plan.recipe, f"--save_folder={run_dir}",
-           "--try_load_latest_save", *plan.overrides, *cell.overrides()]
+    script, checkpoints = FRAMEWORKS[plan.framework]
+    cmd = [sys.executable, str(ROOT / "scripts" / script), plan.recipe, f"--save_folder={run_dir}",
+           "--try_load_latest_save", *plan.overrides, *cell.overrides(plan.framework)]
     env = {**os.environ, "MODEL_TYPE": cell.model_type, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "console.log", "a") as console:
@@ -191,7 +203,7 @@ def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
         (out / "analysis.json").write_text(json.dumps(analyses, indent=1) + "\n")
         if cell.analyse_every is not None:
             steps = {}
-            for ckpt in sorted(run_dir.glob("step*-unsharded"), key=lambda p: int(p.name[4:].split("-")[0])):
+            for ckpt in sorted(run_dir.glob(checkpoints), key=lambda p: int(p.name[4:].split("-")[0])):
                 steps[ckpt.name[4:].split("-")[0]] = analyse(ckpt, plan.analysis_sequences, plan.analysis_tokens)
             (out / "analysis-steps.json").write_text(json.dumps(steps, indent=1) + "\n")
     for name in KEPT:  # the record last: its presence marks the cell done

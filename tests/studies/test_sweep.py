@@ -111,3 +111,31 @@ def test_each_study_folder_holds_its_plan_results_figures_and_page():
             assert (study / "results" / cell / "metrics.jsonl.gz").is_file(), cell
         page = (study / "README.md").read_text()
         assert any(f.name in page for f in (study / "figures").glob("*.png")), study.name
+
+
+@pytest.mark.slow
+def test_a_sweep_with_framework_olmo_core_trains_its_cells_on_olmo_core(tmp_path, austen_prepared):
+    """``framework: olmo_core``: each cell is trained by scripts/train_olmo_core.py, its record and results kept as
+    on the ai2-olmo path, analysed from OLMo-core checkpoints over time; an unknown framework is one line."""
+    plan = tmp_path / "plan.yaml"
+    plan.write_text(json.dumps({
+        "recipe": str(TINY), "runs": str(tmp_path / "runs"), "results": str(tmp_path / "results"),
+        "overrides": ["--max_duration=4", "--device_train_microbatch_size=8", "--evaluators=[]"],
+        "analysis_sequences": 4, "analysis_tokens": str(austen_prepared / "val" / "*.npy"), "framework": "olmo_core",
+        "groups": [{"methods": ["hybrid_pre"], "learning_rates": [1e-2], "seeds": [1], "analyse_every": 2}],
+    }))
+    loaded = load_plan(plan)
+    assert loaded.framework == "olmo_core" and "--save_interval=2" in loaded.cells[0].overrides("olmo_core")
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), str(plan)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    out = tmp_path / "results" / loaded.cells[0].name
+    record = json.loads((out / "run.json").read_text())
+    assert record["status"] == "finished" and record["framework"].startswith("OLMo-core")
+    steps = json.loads((out / "analysis-steps.json").read_text())
+    assert sorted(steps, key=int) == ["2", "4"] and all(a["lens"]["applies"] for a in steps.values())
+    assert json.loads((out / "analysis.json").read_text())["magnitudes"]["applies"]
+    plan.write_text(plan.read_text().replace('"olmo_core"', '"olmo-core"'))
+    bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), str(plan)], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "framework must be one of ai2_olmo, olmo_core (got 'olmo-core')" in bad.stderr
