@@ -204,6 +204,23 @@ class Ref:
                 x = x + self.norm(b + sub + "_out_norm", fn(i, self.norm(b + sub + "_norm", x)))
         return self.logits(x)
 
+    def lns(self, ids):  # LayerNorm Scaling: each norm's output times 1 / sqrt(1-based layer)
+        x = self.embed(ids)
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            x = x + self.attn(i, self.norm(b + "attn_norm", x) / math.sqrt(i + 1))
+            x = x + self.mlp(i, self.norm(b + "ff_norm", x) / math.sqrt(i + 1))
+        return self.logits(x)
+
+    def keel(self, ids):  # LN_out(alpha x + F(LN_in(x))), alpha = the number of sublayers (or of layers)
+        alpha = 2 * self.c.n_layers if self.c.keel_alpha == "sublayers" else self.c.n_layers
+        x = self.embed(ids)
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            for sub, fn in (("attn", self.attn), ("ff", self.mlp)):
+                x = self.norm(b + sub + "_norm", alpha * x + fn(i, self.norm(b + sub + "_in_norm", x)))
+        return self.logits(x)
+
     def pre_embednorm(self, ids):
         return self.pre(ids, x=rms(self.embed(ids), None, self.eps))  # parameter-free RMSNorm, then Pre-Norm
 

@@ -53,6 +53,8 @@ from siamesenorm.nn.topologies import (
 )
 from siamesenorm.variants._base import depth_scale
 from siamesenorm.variants.deepnorm import deepnorm_alpha, deepnorm_beta
+from siamesenorm.variants.keel import keel_alpha
+from siamesenorm.variants.lns import layernorm_scale
 from siamesenorm.variants.mixln import mixln_post_layers
 from siamesenorm.variants.spec import knob
 
@@ -191,6 +193,39 @@ class DeepNorm(PostNorm):
             inputs, outputs = self.feed_forward_matrices()
             for weight in (self.attention.w_v.weight, self.attention.w_out.weight, *inputs, *outputs):
                 weight.mul_(self.init_scale)
+
+
+class Keel(PostNorm):
+    """Keel (siamesenorm/variants/keel.py): LN_out(alpha x + F(LN_in(x))); LN_out are OLMo-core's two norms."""
+
+    position_knob = None
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.residual_scale = keel_alpha(self.n_layers, self.knob("keel_alpha"))
+        self.attn_in_norm = self.new_norm()
+        self.ff_in_norm = self.new_norm()
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        attn, mlp = self.sublayers(kwargs, loss_div_factor)
+        x = post_norm_update(x, lambda h: attn(self.attn_in_norm(h)), self.attention_norm, "after_addition",
+                             self.residual_scale)
+        return post_norm_update(x, lambda h: mlp(self.ff_in_norm(h)), self.feed_forward_norm, "after_addition",
+                                self.residual_scale)
+
+
+class LayerNormScaled(CoreTopologyBlock):
+    """LayerNorm Scaling (siamesenorm/variants/lns.py): x + F(LN(x) / sqrt(l)), l the 1-based layer; OLMo-core's
+    own ``LayerNormScaledTransformerBlock`` computes the same (tested), over the dense block only."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.norm_scale = layernorm_scale(self.block_idx)
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        attn, mlp = self.sublayers(kwargs, loss_div_factor)
+        x = x + attn(self.attention_norm(x) * self.norm_scale)
+        return x + mlp(self.feed_forward_norm(x) * self.norm_scale)
 
 
 class MixLN(PostNorm):
@@ -417,6 +452,7 @@ TOPOLOGIES: Dict[str, Optional[Type[CoreTopologyBlock]]] = {
     "pre": None, "post": PostNorm, "hybrid": HybridNorm, "hc": HyperConnections, "post_pre": SiamesePostPre,
     "hybrid_pre": SiameseHybridPre, "deepnorm": DeepNorm, "residual": ResiDual, "mixln": MixLN, "peri": PeriNorm,
     "mhc": ManifoldHyperConnections, "hybrid_star": HybridStar, "pre_embednorm": PreEmbedNorm,
+    "lns": LayerNormScaled, "keel": Keel,
 }
 
 

@@ -64,6 +64,28 @@ def test_every_model_type_gives_the_ai2_olmo_logits(model_type):
     assert all(torch.equal(back[k], v) for k, v in reference.items())
 
 
+def test_lns_gives_the_logits_of_olmo_cores_own_layernorm_scaled_block():
+    """OLMo-core 3 ships LayerNorm Scaling as a block type (``default_scaled``: ``LayerNormScaledTransformerBlock``,
+    each norm's output x 1/sqrt(1-based block index)); ``lns`` on both paths gives its logits from the same weights."""
+    import dataclasses
+
+    from olmo_core.nn.transformer.block import LayerNormScaledTransformerBlock
+    from olmo_core.nn.transformer.config import TransformerBlockConfig, TransformerBlockType
+
+    olmo, ours, config = _pair("lns")
+    theirs_config = olmo_core_config.transformer_config(config, model_type="pre")
+    own = {f.name: getattr(theirs_config.block, f.name) for f in dataclasses.fields(TransformerBlockConfig)}
+    theirs_config.block = TransformerBlockConfig(**{**own, "name": TransformerBlockType.default_scaled})
+    theirs = theirs_config.build(init_device="cpu")
+    assert all(type(b) is LayerNormScaledTransformerBlock for b in theirs.blocks.values())
+    missing, unexpected = theirs.load_state_dict(ours.state_dict(), strict=False)
+    # their 1/sqrt(l) is a buffer in the state dict, ours a constant: only those are missing
+    assert (missing, unexpected) == ([f"blocks.{i}.ln_scale" for i in range(config.n_layers)], [])
+    _assert_same_logits(olmo, theirs.eval(), config)
+    assert [float(b.ln_scale) for b in theirs.blocks.values()] == pytest.approx(
+        [1 / (i + 1) ** 0.5 for i in range(config.n_layers)])
+
+
 @pytest.mark.parametrize("model_type,overrides", [
     ("post_pre", dict(post_pre_x_norm_position="after_addition")),
     ("hybrid_pre", dict(siamese_depth_scaling=False)),

@@ -24,6 +24,7 @@ CASES = [(mt, {}) for mt in MODEL_TYPES] + [
     ("mhc", {"mhc_expansion_rate": 2, "mhc_sinkhorn_iterations": 5}),
     ("mhc", {"mhc_expansion_rate": 1}),
     ("mhc", {"mhc_sinkhorn_order": "rows_first", "mhc_sinkhorn_iterations": 2}),
+    ("keel", {"keel_alpha": "layers"}),
 ]
 IDS = [mt + "".join(f"-{k}={v}" for k, v in o.items()) for mt, o in CASES]
 
