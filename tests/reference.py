@@ -27,8 +27,9 @@ def rope(t, theta=10_000):
 
 
 class Ref:
-    def __init__(self, model):
+    def __init__(self, model, t=None):
         self.m, self.c = model, model.config
+        self.t = t  # prores: the optimizer steps taken
         self.eps = self.c.layer_norm_eps
         self.p = dict(model.named_parameters())
 
@@ -219,6 +220,15 @@ class Ref:
             b = f"transformer.blocks.{i}."
             for sub, fn in (("attn", self.attn), ("ff", self.mlp)):
                 x = self.norm(b + sub + "_norm", alpha * x + fn(i, self.norm(b + sub + "_in_norm", x)))
+        return self.logits(x)
+
+    def prores(self, ids):  # Pre-Norm with each sublayer's output times min(1, t / ((l + 1) T))
+        x = self.embed(ids)
+        for i in range(self.c.n_layers):
+            b = f"transformer.blocks.{i}."
+            a = min(1.0, self.t / ((i + 1) * self.c.prores_layer_steps))
+            x = x + a * self.attn(i, self.norm(b + "attn_norm", x))
+            x = x + a * self.mlp(i, self.norm(b + "ff_norm", x))
         return self.logits(x)
 
     def pre_embednorm(self, ids):

@@ -41,6 +41,7 @@ from siamesenorm.run.process import pin_cpu_threads
 from siamesenorm.run.recipe import RunError, SiameseTrainConfig
 from siamesenorm.run.records import write_record
 from siamesenorm.run.stability import Diverged, StabilityMonitor
+from siamesenorm.variants.prores import set_training_step
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class SiameseTrainer(Trainer):
         every rank the global mean (it replaces OLMo's reduce), so every rank takes the same decision. The
         gradient norm is already global (computed from synchronised gradients). A local NaN raises in OLMo's
         step on that rank only; it is turned into a NaN that the all-reduce spreads to every rank."""
+        set_training_step(self.model, self.global_step - 1)  # step-dependent variants (ProRes), before the forward
         try:
             metrics = super().train_step(batch, reduce_global_loss=False)
         except ValueError as err:

@@ -228,6 +228,27 @@ class LayerNormScaled(CoreTopologyBlock):
         return x + mlp(self.feed_forward_norm(x) * self.norm_scale)
 
 
+class ProRes(CoreTopologyBlock):
+    """ProRes (siamesenorm/variants/prores.py): x + a_l(t) F(LN(x)); a_l(t) in the buffer ``prores_scale``, set
+    before every step by the run layer's callback (``set_training_step``)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.prores_layer_id = self.block_idx
+        self.prores_layer_steps = int(self.knob("prores_layer_steps"))
+        self.register_buffer("prores_scale", torch.zeros((), device=self._init_device))
+
+    def scale_init(self) -> None:
+        """Step 0 (after OLMo-core's init, which leaves a buffer built on the meta device unset)."""
+        self.prores_scale.fill_(0.0)
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        attn, mlp = self.sublayers(kwargs, loss_div_factor)
+        scale = self.prores_scale.to(x.dtype)
+        x = x + scale * attn(self.attention_norm(x))
+        return x + scale * mlp(self.feed_forward_norm(x))
+
+
 class MixLN(PostNorm):
     position_knob = None
 
@@ -452,7 +473,7 @@ TOPOLOGIES: Dict[str, Optional[Type[CoreTopologyBlock]]] = {
     "pre": None, "post": PostNorm, "hybrid": HybridNorm, "hc": HyperConnections, "post_pre": SiamesePostPre,
     "hybrid_pre": SiameseHybridPre, "deepnorm": DeepNorm, "residual": ResiDual, "mixln": MixLN, "peri": PeriNorm,
     "mhc": ManifoldHyperConnections, "hybrid_star": HybridStar, "pre_embednorm": PreEmbedNorm,
-    "lns": LayerNormScaled, "keel": Keel,
+    "lns": LayerNormScaled, "keel": Keel, "prores": ProRes,
 }
 
 

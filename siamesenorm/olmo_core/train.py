@@ -70,6 +70,7 @@ from siamesenorm.run.recipe import RunError, check_batch_split, check_data, load
 from siamesenorm.run.records import METRICS_NAME, RECORD_NAME, write_record
 from siamesenorm.run.safeload import checked_olmo_core_loads
 from siamesenorm.run.stability import Diverged, StabilityMonitor
+from siamesenorm.variants.prores import set_training_step
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +110,10 @@ class RunCallback(ConsoleLoggerCallback):
 
     def post_step(self):  # OLMo-core's progress marker lines: the step line below says it
         pass
+
+    def pre_step(self, batch):
+        """Step-dependent variants (ProRes's residual warmup) take the step before its forward."""
+        set_training_step(self.trainer.train_module.model, self.trainer.global_step - 1)
 
     def pre_train(self):
         for signum in (signal.SIGTERM, signal.SIGINT):  # OLMo-core installed its handlers just before this

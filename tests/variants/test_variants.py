@@ -8,6 +8,7 @@ from olmo.config import ActivationCheckpointingStrategy
 from reference import Ref
 
 from siamesenorm import MODEL_TYPES, build_model, num_params_from_config
+from siamesenorm.variants.prores import set_training_step
 
 # (model_type, config overrides): every type, plus the knob settings that change the wiring.
 CASES = [(mt, {}) for mt in MODEL_TYPES] + [
@@ -25,7 +26,10 @@ CASES = [(mt, {}) for mt in MODEL_TYPES] + [
     ("mhc", {"mhc_expansion_rate": 1}),
     ("mhc", {"mhc_sinkhorn_order": "rows_first", "mhc_sinkhorn_iterations": 2}),
     ("keel", {"keel_alpha": "layers"}),
+    ("prores", {"prores_layer_steps": 2}),  # at step 3: layer scales 1, 0.75, 0.5
 ]
+#: The optimizer steps taken before the forward these tests check (ProRes's scales depend on it; no other variant).
+STEP = 3
 IDS = [mt + "".join(f"-{k}={v}" for k, v in o.items()) for mt, o in CASES]
 
 
@@ -48,10 +52,11 @@ def ids(batch=2, length=12, vocab=96, seed=3):
 @pytest.mark.parametrize("model_type,overrides", CASES, ids=IDS)
 def test_equals_its_equations(model_type, overrides):
     model = randomize(build_model(tiny_config(**overrides), model_type))
+    assert set_training_step(model, STEP) == (model.config.n_layers if model_type == "prores" else 0)
     x = ids()
     with torch.no_grad():
         got = model(x).logits
-        want = Ref(model)(x, model_type)
+        want = Ref(model, t=STEP)(x, model_type)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 
 
