@@ -43,7 +43,8 @@ def test_changes_patch_is_not_stale(pristine):
 
 @pytest.mark.slow
 def test_patched_source_tree_builds_the_same_models(pristine, tmp_path):
-    """The patched OLMo/ imported in place of the installed ai2-olmo: same names and logits for each type."""
+    """The patched OLMo/ imported in place of the installed ai2-olmo: same state-dict names and logits for each
+    type."""
     tree = olmo_patch.materialize(pristine, PATCH, CACHE)
     from conftest import tiny_config
 
@@ -72,7 +73,7 @@ def test_patched_source_tree_builds_the_same_models(pristine, tmp_path):
             model.load_state_dict(torch.load({str(tmp_path)!r} + f"/{{mt}}.pt"), strict=True)
             with torch.no_grad():
                 torch.save(model(ids).logits, {str(tmp_path)!r} + f"/{{mt}}-patched.pt")
-            out[mt] = sorted(n for n, _ in model.named_parameters())
+            out[mt] = sorted(model.state_dict())  # parameters and saved buffers (prores's scale)
         import siamesenorm.models.registry as r
         import siamesenorm.models.olmo_hook as h
         out["factory_untouched"] = olmo.model.OLMoBlock.build.__func__ not in (r.hooked_build, h._trampoline)
