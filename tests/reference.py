@@ -103,6 +103,16 @@ class Ref:
             x = u + self.mlp(i, u)
         return self.logits(x)
 
+    def mix(self, prefix, X, Y):
+        """SiameseNorm's stream mixing where the block has one: H = [[p, 1-p], [1-p, p]], p = sigmoid(z)."""
+        if prefix + "bias" not in self.p:
+            return X, Y, False
+        z = self.p[prefix + "bias"]
+        if prefix + "proj" in self.p:  # dynamic: z + gate * (RMSNorm([X, Y]) . phi), per token
+            z = z + self.p[prefix + "gate"] * (self.norm(prefix + "norm", torch.cat([X, Y], -1)) @ self.p[prefix + "proj"])[..., None]
+        p = torch.sigmoid(z)
+        return p * X + (1 - p) * Y, (1 - p) * X + p * Y, True
+
     def post_pre(self, ids):
         X = Y = self.embed(ids)
         ni = self.c.siamese_normalized_input
@@ -111,6 +121,9 @@ class Ref:
         for i in range(self.c.n_layers):
             b, cl = f"transformer.blocks.{i}.", self.depth_scale(i)
             for sub, fn in (("attn", self.attn), ("ff", self.mlp)):
+                X, Y, mixed = self.mix(b + sub + "_mix.", X, Y)
+                if mixed and not before:
+                    X = self.norm(b + sub + "_mix_norm_x", X)
                 if before:
                     X = self.norm(b + sub + "_norm_x", X)
                 H = X + self.norm(b + sub + "_norm_y", Y)
@@ -127,10 +140,14 @@ class Ref:
         last = self.c.n_layers - 1
         for i in range(self.c.n_layers):
             b, cl = f"transformer.blocks.{i}.", self.depth_scale(i)
+            X, Y, mixed = self.mix(b + "attn_mix.", X, Y)
+            if mixed:
+                X = self.norm(b + "attn_mix_norm_x", X)
             h = self.p[b + "gamma"] * X + self.norm(b + "attn_norm_y", Y)
             r = self.attn(i, h, head_norms=True)
             X = X + r / cl
             Y = Y + r
+            X, Y, _ = self.mix(b + "ff_mix.", X, Y)
             X = self.norm(b + "attn_norm_x", X)
             M = X + self.norm(b + "ff_norm_y", Y)
             if self.c.siamese_normalized_input:
@@ -230,6 +247,31 @@ class Ref:
             x = x + a * self.attn(i, self.norm(b + "attn_norm", x))
             x = x + a * self.mlp(i, self.norm(b + "ff_norm", x))
         return self.logits(x)
+
+    def attnres(self, ids):  # each sublayer reads a softmax mixture over depth (of outputs, or of block sums)
+        L, N = self.c.n_layers, self.c.attnres_blocks
+        per_block = 1 if N == 0 else 2 * L // N  # sublayers a block
+
+        def mix(sources, prefix):
+            if len(sources) == 1:
+                return sources[0]
+            v = torch.stack(sources)  # (S, B, T, d)
+            alpha = (self.norm(prefix + "_key_norm", v) @ self.p[prefix + "_query"]).softmax(0)
+            return (alpha.unsqueeze(-1) * v).sum(0)
+
+        emb, outs = self.embed(ids), []
+        for j in range(2 * L):
+            i, sub = divmod(j, 2)
+            b = f"transformer.blocks.{i}."
+            k = j // per_block  # the block sublayer j belongs to: blocks 0 .. k-1 are complete
+            sources = [emb] + [sum(outs[m * per_block:(m + 1) * per_block]) for m in range(k)]
+            if j % per_block:
+                sources.append(sum(outs[k * per_block:j]))
+            name, fn = (("attn", self.attn), ("ff", self.mlp))[sub]
+            outs.append(fn(i, self.norm(b + name + "_norm", mix(sources, b + name))))
+        last = f"transformer.blocks.{L - 1}.out"
+        blocks = [sum(outs[m * per_block:(m + 1) * per_block]) for m in range(2 * L // per_block)]
+        return self.logits(mix([emb] + blocks, last))
 
     def pre_embednorm(self, ids):
         return self.pre(ids, x=rms(self.embed(ids), None, self.eps))  # parameter-free RMSNorm, then Pre-Norm

@@ -158,8 +158,10 @@ def layer_streams(model: OLMo, batch: torch.Tensor) -> tuple[List[str], List[Lis
     with _captured_streams(model) as (inputs, outputs, final):
         model(batch)
     per_layer: List[List[torch.Tensor]] = [[inputs[0]] * len(names)]
+    blocks = _blocks(model)
     for i in range(1, n_blocks):
-        per_layer.append(list(inputs[i].chunk(len(names), dim=-1)))
+        state = getattr(blocks[i], "state_streams", None)  # attnres: its sources' sum; others: the stacked streams
+        per_layer.append(state(inputs[i]) if state else list(inputs[i].chunk(len(names), dim=-1)))
     per_layer.append(final[0] if final else [outputs[0]])
     return names, per_layer
 

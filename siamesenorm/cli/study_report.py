@@ -4,6 +4,9 @@
   (writes study-*.png, report.json and table.md into --output; studies/cpu-lr-grid/README.md quotes them)
   python scripts/study_report.py studies/cpu-depth-dynamics/results --v2 --earlier studies/cpu-lr-grid/results --output studies/cpu-depth-dynamics/figures
   (the second part, the paper's second version: v2-*.png and report.json; siamesenorm/studies/depth_and_dynamics.py)
+  python scripts/study_report.py studies/cpu-2026-field/results --standard --with studies/cpu-lr-grid/results studies/cpu-depth-dynamics/results --output studies/cpu-2026-field/figures
+  (the reporting standard over the folders together: best rate, seeds, Welch's t against Pre-Norm, Holm's
+  correction, learning-rate tolerance; standard.json and standard.md; siamesenorm/studies/standard.py)
 """
 
 import argparse
@@ -20,10 +23,16 @@ def main(argv=None) -> int:
     parser.add_argument("--smooth", type=int, default=20, help="moving-average window of the curves, in steps")
     parser.add_argument("--v2", action="store_true", help="the second part's report (studies/cpu-depth-dynamics/sweep.yaml)")
     parser.add_argument("--earlier", help="with --v2: the first study's results, for the seed groups it completes")
+    parser.add_argument("--standard", action="store_true",
+                        help="judge every configuration against Pre-Norm by the reporting standard "
+                             "(siamesenorm/studies/standard.py): standard.json and standard.md")
+    parser.add_argument("--with", dest="also", nargs="*", default=[], metavar="RESULTS",
+                        help="with --standard: more results folders, pooled with the first")
     args = parser.parse_args(argv)
-    if not Path(args.results).is_dir():
-        print(f"error: {args.results} is not a folder; run scripts/sweep.py first.", file=sys.stderr)
-        return 2
+    for folder in [args.results] + args.also:
+        if not Path(folder).is_dir():
+            print(f"error: {folder} is not a folder; run scripts/sweep.py first.", file=sys.stderr)
+            return 2
     try:
         return _report(args)
     except (ValueError, FileNotFoundError) as e:  # a record, metrics line or folder that is not a sweep's
@@ -33,6 +42,18 @@ def main(argv=None) -> int:
 
 def _report(args) -> int:
     out = Path(args.output)
+    if args.standard:
+        from siamesenorm.studies import standard
+
+        summary = standard.standard_report([args.results] + args.also)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "standard.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (out / "standard.md").write_text(standard.to_markdown(summary))
+        print(f"wrote {standard.figure(summary, out, args.format)}")
+        judged = sum(not r["verdict"].startswith("not judged") for r in summary["comparisons"])
+        print(f"wrote {out / 'standard.json'} and {out / 'standard.md'} ({len(summary['comparisons'])} "
+              f"comparisons with Pre-Norm, {judged} judged)")
+        return 0
     if args.v2:
         from siamesenorm.studies import depth_and_dynamics
 

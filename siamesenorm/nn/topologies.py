@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-from typing import Callable, List, Optional, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn as nn
@@ -28,7 +28,8 @@ from .fused import stream_mix
 __all__ = ["PreNorm", "PostNorm", "HybridNorm", "SiameseNorm", "SiameseFusion", "HyperConnection",
            "HyperConnections", "ManifoldHyperConnection", "ManifoldHyperConnections", "post_norm_update",
            "hybrid_norm_update", "siamese_input", "siamese_update", "siamese_hybrid_attention", "depth_divisor", "sinkhorn",
-           "expand_streams", "StackedStreams", "NORM_POSITIONS", "DEPTH_SCALING_FORMS", "SINKHORN_ORDERS"]
+           "expand_streams", "StackedStreams", "NORM_POSITIONS", "DEPTH_SCALING_FORMS", "SINKHORN_ORDERS",
+           "depth_attention", "attn_res_sublayer", "attn_res_sources_at", "AttnResStreams", "StreamMixing", "MIXING_FORMS"]
 
 Branch = Callable[[torch.Tensor], torch.Tensor]
 Norm = Callable[[torch.Tensor], torch.Tensor]
@@ -219,6 +220,66 @@ def siamese_hybrid_attention(x: torch.Tensor, y: torch.Tensor, branch: Branch, *
     return (run(x_norm, x) if x_norm is not None else x), y + o
 
 
+#: ``siamese_mixing``: how SiameseNorm's two streams are mixed before each sublayer (``StreamMixing``).
+MIXING_FORMS = ("none", "static", "dynamic")
+
+
+class StreamMixing(nn.Module):
+    """SiameseNorm with stream mixing: before a sublayer the two streams (X bounded, Y Pre-Norm) are mixed by a
+    learned 2 x 2 doubly stochastic matrix, as mHC mixes its n streams with H_res (Xie et al., arXiv 2512.24880,
+    eq. 8: H_res = Sinkhorn(exp(a * mat(h~ P_res) + b_res))):
+
+        [X; Y] <- H [X; Y],    H = [[p, 1 - p], [1 - p, p]],    p = sigmoid(z)
+        z = b                                  ("static")
+        z = b + a * (RMSNorm([X, Y]) . phi)    ("dynamic", per token; phi in R^{2d}, a a gate)
+
+    Every 2 x 2 doubly stochastic matrix has this form (Birkhoff: a mix of the identity and the swap), and the
+    Sinkhorn limit of exp(M) for any 2 x 2 M is it with z = (M11 + M22 - M12 - M21) / 2, so mHC's projection of
+    a 2 x 2 H_res is computed here in closed form, exactly (mHC's 20 iterations approach it; tested against
+    ``sinkhorn``); the four entries of mHC's P_res and b_res reduce to the one combination phi and b.
+
+    Init: b = logit(``init``) (``siamese_mixing_init``, 0.95: X and Y start 5% mixed, so the model starts close to
+    SiameseNorm without mixing; mHC's own init, H_res uniform, would start from X = Y = their mean, the two-stream
+    design erased at step 0), phi ~ N(0, 1/(2d)) and a = 0.01 as mHC's P and gates. Columns sum to 1, so X + Y is
+    unchanged by the mix (mHC's argument: the streams' sum keeps its identity path); p and 1 - p in fp32.
+    """
+
+    def __init__(self, dim: int, form: str = "static", init: float = 0.95, norm: NormFactory = nn.RMSNorm,
+                 gate_init: float = 0.01, device=None):
+        super().__init__()
+        if form not in MIXING_FORMS[1:]:
+            raise ValueError(f"stream mixing form {form!r} is unknown; use one of: {', '.join(MIXING_FORMS[1:])}.")
+        self.form, self.init, self.gate_init = form, init, gate_init
+        self.bias = nn.Parameter(torch.empty((), device=device))
+        if form == "dynamic":
+            self.norm = norm(2 * dim)
+            self.proj = nn.Parameter(torch.empty(2 * dim, device=device))
+            self.gate = nn.Parameter(torch.empty((), device=device))
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        with torch.no_grad():
+            self.bias.fill_(math.log(self.init / (1.0 - self.init)))
+            if self.form == "dynamic":
+                self.norm.reset_parameters()
+                nn.init.normal_(self.proj, std=1.0 / math.sqrt(self.proj.shape[0]))
+                self.gate.fill_(self.gate_init)
+
+    def coefficient(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """p, fp32: a scalar (static) or (..., 1) per token (dynamic)."""
+        z = self.bias.float()
+        if self.form == "dynamic":
+            h = self.norm(torch.cat([x, y], dim=-1))
+            z = z + self.gate.float() * torch.matmul(h.float(), self.proj.float()).unsqueeze(-1)
+        return torch.sigmoid(z)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        p = self.coefficient(x, y)
+        q = (1.0 - p).to(x.dtype)
+        p = p.to(x.dtype)
+        return p * x + q * y, q * x + p * y
+
+
 class SiameseNorm(nn.Module):
     """SiameseNorm around one sublayer: two streams share F. X is bounded, Y is Pre-Norm-like; c = c(layer)
     (``depth_divisor``; 1 with ``depth_scaling=False``); LN^in only with ``normalized_input``.
@@ -279,6 +340,48 @@ class SiameseFusion(nn.Module):
     def forward(self, state: Tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         x, y = state
         return self.x_norm(x) + self.y_norm(y)
+
+
+# ---- Attention Residuals ------------------------------------------------------------------------------------------
+def depth_attention(sources: torch.Tensor, query: torch.Tensor, key_norm: Norm) -> torch.Tensor:
+    """AttnRes's aggregation over depth: (..., S, d) sources -> (..., d),
+
+        h = sum_i alpha_i v_i,    alpha = softmax_i( w . RMSNorm(v_i) )
+
+    with ``query`` w (d,) a learned pseudo-query (zero at init: the mean of the sources), the keys the sources
+    normalised by ``key_norm``, the values the sources themselves; the softmax in fp32."""
+    if sources.shape[-2] == 1:
+        return sources[..., 0, :]
+    logits = torch.matmul(key_norm(sources).float(), query.float())
+    weights = logits.softmax(dim=-1).to(sources.dtype)
+    return torch.matmul(weights.unsqueeze(-2), sources).squeeze(-2)
+
+
+def attn_res_sources_at(sublayers_done: int, block_sublayers: int) -> Tuple[int, bool]:
+    """(completed sources, whether a partial block sum follows them) in the state after ``sublayers_done``
+    sublayers, with blocks of ``block_sublayers`` sublayers (1: Full AttnRes). The embedding is the first
+    completed source; a block's sum is committed when the next block's first sublayer starts."""
+    if sublayers_done == 0:
+        return 1, False
+    return 1 + (sublayers_done - 1) // block_sublayers, True
+
+
+def attn_res_sublayer(completed: List[torch.Tensor], partial: Optional[torch.Tensor], index: int,
+                      block_sublayers: int, branch: Branch, *, pre_norm: Norm, query: torch.Tensor, key_norm: Norm,
+                      run: Run = _direct) -> Tuple[List[torch.Tensor], torch.Tensor]:
+    """One sublayer (0-based ``index`` over all 2L) of AttnRes: at the start of a block the partial sum becomes a
+    completed source; the sublayer reads h = depth_attention(completed sources and the partial sum) through its
+    Pre-Norm, and its output F(LN(h)) is added to the block's partial sum (started by it at a block's start).
+    ``run`` calls the cheap parts (the aggregation with its key norm, the Pre-Norm), as in ``siamese_update``."""
+    if partial is not None and index % block_sublayers == 0:
+        completed, partial = completed + [partial], None
+    sources = completed + ([partial] if partial is not None else [])
+
+    def read(*tensors):
+        return pre_norm(depth_attention(torch.stack(tensors, dim=-2), query, key_norm))
+
+    out = branch(run(read, *sources))
+    return completed, (out if partial is None else partial + out)
 
 
 # ---- hyper-connections ----------------------------------------------------------------------------------------------
@@ -342,6 +445,60 @@ class StackedStreams:
         """This block with its sublayers removed (the depth probe): the streams pass through unchanged, widened
         where this block widens the state and fused where it fuses."""
         return self.finish(self.split_streams(x))
+
+
+class AttnResStreams(StackedStreams):
+    """The state of an AttnRes block (siamesenorm/variants/attnres.py), whatever the host framework: the completed
+    sources and the partial block sum concatenated on the feature axis, (B, T, S * d), S growing with depth; the
+    last block aggregates them with ``out_query`` / ``out_key_norm`` for the host's final norm. A host block sets
+    ``first_sublayer`` (2 x its layer index), ``block_sublayers``, the queries and key norms (``attn_query`` and
+    ``attn_key_norm`` absent in block 0, whose attention reads the embedding alone) and calls ``attn_res_forward``."""
+
+    first_sublayer: int = 0
+    block_sublayers: int = 1
+
+    def sources_received(self) -> int:
+        """How many (B, T, d) sources the state this block receives holds: its ``n_streams``, which the cost and
+        memory models read as the block's input width (it grows with depth: 1 + 2l in Full AttnRes)."""
+        n, partial = attn_res_sources_at(self.first_sublayer, self.block_sublayers)
+        return n + int(partial)
+
+    def sources(self, x: torch.Tensor) -> Tuple[List[torch.Tensor], Optional[torch.Tensor]]:
+        """(completed sources, partial sum or None) from the state this block receives."""
+        n, partial = attn_res_sources_at(self.first_sublayer, self.block_sublayers)
+        parts = [x] if self.is_first else list(x.chunk(n + int(partial), dim=-1))
+        return parts[:n], (parts[n] if partial else None)
+
+    def attn_res_forward(self, x: torch.Tensor, branches: Sequence[Branch], pre_norms: Sequence[Norm],
+                         run: Run = _direct) -> torch.Tensor:
+        completed, partial = self.sources(x)
+        for j, (branch, pre_norm, name) in enumerate(zip(branches, pre_norms, ("attn", "ff"))):
+            completed, partial = attn_res_sublayer(
+                completed, partial, self.first_sublayer + j, self.block_sublayers, branch, pre_norm=pre_norm,
+                query=getattr(self, name + "_query", None), key_norm=getattr(self, name + "_key_norm", None), run=run)
+        return self.finish(completed + [partial])
+
+    def finish(self, streams: List[torch.Tensor]) -> torch.Tensor:
+        if not self.is_last:
+            return torch.cat(streams, dim=-1)
+        out = self.norm(_Aggregate(self.out_query, self.out_key_norm), torch.stack(streams, dim=-2))
+        if self._captured is not None:
+            self._captured.append([out.detach()])
+        return out
+
+    def state_streams(self, x: torch.Tensor) -> List[torch.Tensor]:
+        """The analyses' view of the state this block receives (hidden magnitudes, massive activations): the sum
+        of its sources, what Pre-Norm's residual stream would hold; one stream."""
+        completed, partial = self.sources(x)
+        return [sum(completed[1:] + ([partial] if partial is not None else []), completed[0])]
+
+
+class _Aggregate:
+    def __init__(self, query: torch.Tensor, key_norm: Norm):
+        self.query, self.key_norm = query, key_norm
+
+    def __call__(self, sources: torch.Tensor) -> torch.Tensor:
+        return depth_attention(sources, self.query, self.key_norm)
 
 
 def depth_connection(carried: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

@@ -43,15 +43,18 @@ from olmo_core.nn.transformer.block import MoETransformerBlock, TransformerBlock
 
 from siamesenorm.models.core_state import QKV_HEAD_NORM_TYPES  # noqa: F401 (re-exported)
 from siamesenorm.nn.topologies import (
+    AttnResStreams,
     HyperConnection,
     ManifoldHyperConnection,
     StackedStreams,
+    StreamMixing,
     hybrid_norm_update,
     post_norm_update,
     siamese_hybrid_attention,
     siamese_update,
 )
-from siamesenorm.variants._base import depth_scale
+from siamesenorm.variants._base import depth_scale, mixed_sublayers
+from siamesenorm.variants.attnres import attnres_block_sublayers
 from siamesenorm.variants.deepnorm import deepnorm_alpha, deepnorm_beta
 from siamesenorm.variants.keel import keel_alpha
 from siamesenorm.variants.lns import layernorm_scale
@@ -249,6 +252,38 @@ class ProRes(CoreTopologyBlock):
         return x + scale * mlp(self.feed_forward_norm(x))
 
 
+class AttnRes(AttnResStreams, CoreTopologyBlock):
+    """Attention Residuals (siamesenorm/variants/attnres.py): each sublayer reads a softmax mixture over depth
+    through its Pre-Norm (OLMo-core's two norms); the pseudo-queries start at zero (``scale_init``)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.block_sublayers = attnres_block_sublayers(SimpleNamespace(**vars(self.knobs), n_layers=self.n_layers))
+        self.first_sublayer = 2 * self.block_idx
+        self.n_streams = self.sources_received()
+        if not self.is_first:
+            self.attn_query = nn.Parameter(torch.zeros(self.d_model, device=self._init_device))
+            self.attn_key_norm = self.new_norm()
+        self.ff_query = nn.Parameter(torch.zeros(self.d_model, device=self._init_device))
+        self.ff_key_norm = self.new_norm()
+        if self.is_last:
+            self.out_query = nn.Parameter(torch.zeros(self.d_model, device=self._init_device))
+            self.out_key_norm = self.new_norm()
+
+    def scale_init(self) -> None:
+        for name in ("attn_query", "ff_query", "out_query"):
+            if hasattr(self, name):
+                nn.init.zeros_(getattr(self, name))
+
+    def forward(self, x, *, loss_div_factor=None, **kwargs):
+        return self.attn_res_forward(x, self.sublayers(kwargs, loss_div_factor),
+                                     (self.attention_norm, self.feed_forward_norm))
+
+    def skip(self, x):
+        return self.attn_res_forward(x, (torch.zeros_like, torch.zeros_like),
+                                     (self.attention_norm, self.feed_forward_norm))
+
+
 class MixLN(PostNorm):
     position_knob = None
 
@@ -350,6 +385,24 @@ class TwoStream(CoreTopologyBlock):
         if self.is_last:
             self.out_norm_x = self.new_norm()
             self.out_norm_y = self.new_norm()
+        self.mixing = self.knob("siamese_mixing")
+        self.mixed = mixed_sublayers(self.knobs, self.block_idx)
+        for prefix in self.mixed:
+            setattr(self, prefix + "_mix", StreamMixing(self.d_model, self.mixing, self.knob("siamese_mixing_init"),
+                                                        norm=lambda size: self.new_norm(size),
+                                                        device=self._init_device))
+
+    def scale_init(self) -> None:
+        """The stream mixings' init (after OLMo-core's, which leaves parameters built on the meta device unset)."""
+        for prefix in self.mixed:
+            getattr(self, prefix + "_mix").reset_parameters()
+
+    def mix(self, prefix: str, xs, ys, x_norm: Optional[str] = None):
+        """As the ai2-olmo block's ``mix`` (siamesenorm/variants/_base.py TwoStreamBlock)."""
+        if prefix not in self.mixed:
+            return xs, ys
+        xs, ys = getattr(self, prefix + "_mix")(xs, ys)
+        return (getattr(self, x_norm)(xs) if x_norm else xs), ys
 
     def contributions(self, streams):
         x_stream, y_stream = streams
@@ -363,6 +416,9 @@ class SiamesePostPre(TwoStream):
         super().__init__(**kwargs)
         self.attn_norm_x, self.attn_norm_y = self.new_norm(), self.new_norm()
         self.ff_norm_x, self.ff_norm_y = self.new_norm(), self.new_norm()
+        if self.knob("post_pre_x_norm_position") != "before_sublayer":
+            for prefix in self.mixed:
+                setattr(self, prefix + "_mix_norm_x", self.new_norm())
 
     @classmethod
     def unused_norms(cls, knobs, block_idx):
@@ -376,6 +432,7 @@ class SiamesePostPre(TwoStream):
         position = self.knob("post_pre_x_norm_position")
         for branch, prefix, in_norm in ((attn, "attn", "attention_norm"),
                                         (mlp, "ff", "feed_forward_norm")):
+            xs, ys = self.mix(prefix, xs, ys, x_norm=None if position == "before_sublayer" else prefix + "_mix_norm_x")
             xs, ys = siamese_update(
                 xs, ys, branch, x_norm=getattr(self, f"{prefix}_norm_x"), y_norm=getattr(self, f"{prefix}_norm_y"),
                 in_norm=getattr(self, in_norm) if normalized else None, c=self.depth_scale, x_norm_position=position)
@@ -392,6 +449,8 @@ class SiameseHybridPre(TwoStream):
         self.attn_norm_y = self.new_norm()
         self.attn_norm_x = self.new_norm()
         self.ff_norm_y = self.new_norm()
+        if "attn" in self.mixed:
+            self.attn_mix_norm_x = self.new_norm()
 
     @classmethod
     def unused_norms(cls, knobs, block_idx):
@@ -404,9 +463,11 @@ class SiameseHybridPre(TwoStream):
     def forward(self, x, *, loss_div_factor=None, **kwargs):
         attn, mlp = self.sublayers(kwargs, loss_div_factor)
         xs, ys = self.split_streams(x)
+        xs, ys = self.mix("attn", xs, ys, x_norm="attn_mix_norm_x")
         xs, ys = siamese_hybrid_attention(xs, ys, attn, gamma=self.gamma, y_norm=self.attn_norm_y,
                                           x_norm=None, c=self.depth_scale)
         in_norm = self.feed_forward_norm if self.knob("siamese_normalized_input") else None
+        xs, ys = self.mix("ff", xs, ys)
         xs, ys = siamese_update(xs, ys, mlp, y_norm=self.ff_norm_y, x_norm=self.attn_norm_x, in_norm=in_norm,
                                 c=self.depth_scale, x_norm_position="before_sublayer")
         return self.finish([xs, ys])
@@ -473,7 +534,7 @@ TOPOLOGIES: Dict[str, Optional[Type[CoreTopologyBlock]]] = {
     "pre": None, "post": PostNorm, "hybrid": HybridNorm, "hc": HyperConnections, "post_pre": SiamesePostPre,
     "hybrid_pre": SiameseHybridPre, "deepnorm": DeepNorm, "residual": ResiDual, "mixln": MixLN, "peri": PeriNorm,
     "mhc": ManifoldHyperConnections, "hybrid_star": HybridStar, "pre_embednorm": PreEmbedNorm,
-    "lns": LayerNormScaled, "keel": Keel, "prores": ProRes,
+    "lns": LayerNormScaled, "keel": Keel, "prores": ProRes, "attnres": AttnRes,
 }
 
 

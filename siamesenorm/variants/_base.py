@@ -22,10 +22,11 @@ from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
 from torch.utils.checkpoint import checkpoint
 
 from ..nn.fused import stream_add, stream_input
-from ..nn.topologies import DEPTH_SCALING_FORMS, StackedStreams, depth_divisor
+from ..nn.topologies import DEPTH_SCALING_FORMS, MIXING_FORMS, StackedStreams, StreamMixing, depth_divisor
 from .spec import Knob, knob
 
 __all__ = ["TopologyBlock", "AttentionCall", "ConnectedStreamsBlock", "TwoStreamBlock", "SIAMESE_KNOBS", "depth_scale",
+           "mixed_sublayers",
            "RECOMPUTE_DEFAULT", "recompute_call", "set_recompute"]
 
 KVCache = Optional[Tuple[torch.Tensor, torch.Tensor]]
@@ -279,7 +280,21 @@ SIAMESE_KNOBS = (
              '"inv_sqrt_layer" is the paper\'s text (section 4.2).'),
     Knob("siamese_normalized_input", True,
          doc="Apply an extra norm (LN^in) to the fused input of each sublayer (section 4.2)."),
+    Knob("siamese_mixing", "none", choices=MIXING_FORMS,
+         doc="Mix the two streams before each sublayer by a learned 2 x 2 doubly stochastic matrix, as mHC's H_res "
+             '(siamesenorm.nn.StreamMixing): "static" (one per sublayer) or "dynamic" (per token); "none": the '
+             "paper's SiameseNorm (appendix A.1: no stream mixing)."),
+    Knob("siamese_mixing_init", 0.95, minimum=0.5, maximum=0.999,
+         doc="With siamese_mixing: the share p each stream keeps of itself at step 0 (H = [[p, 1-p], [1-p, p]])."),
 )
+
+
+def mixed_sublayers(config, layer_id: int) -> Tuple[str, ...]:
+    """The sublayers of a SiameseNorm block whose input streams are mixed (``siamese_mixing``): both, except block
+    0's attention, whose two streams are the same embedding."""
+    if knob(config, "siamese_mixing") == "none":
+        return ()
+    return ("ff",) if layer_id == 0 else ("attn", "ff")
 
 
 class TwoStreamBlock(TopologyBlock):
@@ -292,6 +307,26 @@ class TwoStreamBlock(TopologyBlock):
         if self.is_last:
             self.out_norm_x = self.new_norm()
             self.out_norm_y = self.new_norm()
+        self.mixing = knob(config, "siamese_mixing")
+        for prefix in mixed_sublayers(config, layer_id):
+            setattr(self, prefix + "_mix", StreamMixing(config.d_model, self.mixing, knob(config, "siamese_mixing_init"),
+                                                        norm=lambda size: self.new_norm(size),
+                                                        device=config.init_device))
+
+    def reset_parameters(self):
+        super().reset_parameters()
+        for prefix in ("attn", "ff"):
+            if hasattr(self, prefix + "_mix"):
+                getattr(self, prefix + "_mix").reset_parameters()
+
+    def mix(self, prefix: str, xs: torch.Tensor, ys: torch.Tensor, x_norm: Optional[str] = None):
+        """The two streams mixed before sublayer ``prefix`` where it has a mixing (else unchanged); ``x_norm``: the
+        norm that restores X's bound right after the mix, where no LN^X follows it (``<prefix>_mix_norm_x``)."""
+        mixing = getattr(self, prefix + "_mix", None)
+        if mixing is None:
+            return xs, ys
+        xs, ys = self.cheap(mixing, xs, ys)
+        return (self.norm(getattr(self, x_norm), xs) if x_norm else xs), ys
 
     def end(self, xs: torch.Tensor, ys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The block's last update, X + O / c and Y + O, then ``finish``; fused: written straight into the stacked

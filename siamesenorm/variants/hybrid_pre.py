@@ -12,6 +12,10 @@ depth-wise scaling (1 when off), gamma a learnable vector initialised to 1, and 
     O = MLP(M);         X = X + O / c(l);   Y = Y + O
 
 After the last layer: output = LN_final(LN^out_X(X) + LN^out_Y(Y)) with LN_final = OLMo's ``ln_f``.
+
+With ``siamese_mixing`` (not in the paper; its appendix A.1 names the omission): before each sublayer
+[X; Y] <- H [X; Y], H doubly stochastic (siamesenorm.nn.StreamMixing); before the MLP the mix comes before
+LN^X_attn, which restores X's bound; before the attention no norm on X follows, so X <- LN^mix(X) (``attn_mix_norm_x``).
 gamma stands in for the norm HybridNorm omits after the MLP (section 4.2); it is always a parameter.
 
       X --*gamma--(+)--Attn--+--(+R/c)--LN^X--(+)--LN^in--MLP--+--(+O/c)--> X
@@ -43,6 +47,8 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
         self.attn_norm_y = self.new_norm()
         self.attn_norm_x = self.new_norm()
         self.ff_norm_y = self.new_norm()
+        if hasattr(self, "attn_mix"):  # no LN^X follows the attention's mix: X's bound restored by its own norm
+            self.attn_mix_norm_x = self.new_norm()
 
     @classmethod
     def unused_norms(cls, config, layer_id):
@@ -55,13 +61,15 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
 
     def update(self, x, attention):
         xs, ys = self.split_streams(x)
-        if self.fused_streams:
+        if self.fused_streams and self.mixing == "none":
             return self.fused_update(xs, ys, attention)
+        xs, ys = self.mix("attn", xs, ys, x_norm="attn_mix_norm_x")
         # LN^X_attn (attn_norm_x) is applied at the start of the MLP's input fusion rather than at the end of the
         # attention sublayer: the same X, one tensor fewer kept for backward
         xs, ys = siamese_hybrid_attention(xs, ys, attention, gamma=self.gamma, y_norm=self.attn_norm_y, x_norm=None,
                                           c=self.depth_scale, run=self.cheap)
         in_norm = self.ff_norm if knob(self.config, "siamese_normalized_input") else None
+        xs, ys = self.mix("ff", xs, ys)  # LN^X_attn follows: X's bound restored by it
         xs, ys = siamese_update(xs, ys, self.mlp, y_norm=self.ff_norm_y, x_norm=self.attn_norm_x,
                                 in_norm=in_norm, c=self.depth_scale, x_norm_position="before_sublayer",
                                 run=self.cheap)

@@ -25,6 +25,11 @@ pre_norm(x) and post_norm(y).)
              |                          |
              +--------------------(+ O)-------------------> Y
 
+With ``siamese_mixing`` (not in the paper; its appendix A.1 names the omission): before each sublayer
+[X; Y] <- H [X; Y], H doubly stochastic (siamesenorm.nn.StreamMixing), then the sublayer as above; "before_sublayer"'s
+LN^X follows the mix and restores X's bound; with "after_addition" X <- LN^mix(X) right after the mix
+(``attn_mix_norm_x`` / ``ff_mix_norm_x``), as the sublayer's input would otherwise read an unbounded X.
+
 Reductions (section 3, tested for both placements): with every LN^X scale zeroed (out_norm_x included) this is
 Pre-Norm (RMSNorm, normalized input on); with every LN^Y scale zeroed it is Post-Norm with the same placement
 (post_norm_position = this knob; depth scaling and normalized input off).
@@ -34,7 +39,7 @@ from __future__ import annotations
 
 from ..nn.fused import stream_input
 from ..nn.topologies import NORM_POSITIONS, siamese_update
-from ._base import SIAMESE_KNOBS, TwoStreamBlock
+from ._base import SIAMESE_KNOBS, TwoStreamBlock, mixed_sublayers
 from .spec import Knob, Variant, knob
 
 __all__ = ["SiamesePostPreBlock", "VARIANT"]
@@ -47,6 +52,9 @@ class SiamesePostPreBlock(TwoStreamBlock):
         super().__init__(layer_id, config, cache)
         self.attn_norm_x, self.attn_norm_y = self.new_norm(), self.new_norm()
         self.ff_norm_x, self.ff_norm_y = self.new_norm(), self.new_norm()
+        if not self.x_norm_before_sublayer:  # no LN^X follows the mix: X's bound restored by its own norm
+            for prefix in mixed_sublayers(config, layer_id):
+                setattr(self, prefix + "_mix_norm_x", self.new_norm())
 
     @classmethod
     def unused_norms(cls, config, layer_id):
@@ -61,9 +69,10 @@ class SiamesePostPreBlock(TwoStreamBlock):
         xs, ys = self.split_streams(x)
         normalized = knob(self.config, "siamese_normalized_input")
         position = knob(self.config, "post_pre_x_norm_position")
-        if self.fused_streams and position == "before_sublayer":
+        if self.fused_streams and position == "before_sublayer" and self.mixing == "none":
             return self.fused_update(xs, ys, attention, normalized)
         for branch, prefix in ((attention, "attn"), (self.mlp, "ff")):
+            xs, ys = self.mix(prefix, xs, ys, x_norm=None if position == "before_sublayer" else prefix + "_mix_norm_x")
             xs, ys = siamese_update(
                 xs, ys, branch, x_norm=getattr(self, f"{prefix}_norm_x"), y_norm=getattr(self, f"{prefix}_norm_y"),
                 in_norm=getattr(self, f"{prefix}_norm") if normalized else None, c=self.depth_scale,

@@ -148,3 +148,33 @@ def test_vit_example_learns_digits_with_pre_norm_and_siamese_norm():
     for topology in ("pre", "siamese"):
         acc = vit_digits.train(topology, steps=120, depth=2, lr=3e-3)
         assert acc > 0.6, (topology, acc)
+
+
+def test_stream_mixing_is_the_sinkhorn_limit_of_a_two_by_two_h_res():
+    """SiameseNorm's stream mixing computes mHC's Sinkhorn projection of a 2 x 2 H_res in closed form: for any M,
+    Sinkhorn(exp(M)) -> [[p, 1-p], [1-p, p]] with logit p = (M11 + M22 - M12 - M21) / 2. The mix keeps X + Y and,
+    at init, keeps siamese_mixing_init of each stream."""
+    torch.manual_seed(0)
+    M = torch.randn(64, 2, 2)  # Sinkhorn runs in fp32 (and converges slowly for extreme M)
+    limit = snn.sinkhorn(M, iterations=500)
+    p = torch.sigmoid((M[:, 0, 0] + M[:, 1, 1] - M[:, 0, 1] - M[:, 1, 0]) / 2)
+    torch.testing.assert_close(limit[:, 0, 0], p, rtol=0, atol=2e-6)
+    torch.testing.assert_close(limit[:, 0, 1], 1 - p, rtol=0, atol=2e-6)
+    torch.testing.assert_close(limit[:, 1, 1], p, rtol=0, atol=2e-6)
+
+    x, y = torch.randn(2, 5, 16), torch.randn(2, 5, 16)
+    for form in ("static", "dynamic"):
+        mixing = snn.StreamMixing(16, form, init=0.9)
+        with torch.no_grad():
+            if form == "dynamic":
+                mixing.gate.fill_(1.0)
+            mx, my = mixing(x, y)
+        torch.testing.assert_close(mx + my, x + y)
+        coefficient = mixing.coefficient(x, y)
+        if form == "static":
+            assert float(coefficient) == pytest.approx(0.9)
+        else:  # per token, and not all the same
+            assert coefficient.shape == (2, 5, 1) and float(coefficient.std()) > 1e-3
+        torch.testing.assert_close(mx, coefficient * x + (1 - coefficient) * y)
+    with pytest.raises(ValueError, match="unknown"):
+        snn.StreamMixing(16, "learned")

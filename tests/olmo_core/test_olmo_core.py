@@ -97,6 +97,9 @@ def test_lns_gives_the_logits_of_olmo_cores_own_layernorm_scaled_block():
     ("hybrid_pre", dict(n_kv_heads=2, attention_layer_norm_with_affine=False)),
     ("post_pre", dict(layer_norm_type="default", include_bias=True)),
     ("pre", dict(embedding_layer_norm=True, clip_qkv=0.5)),
+    ("attnres", dict(attnres_blocks=1)),
+    ("hybrid_pre", dict(siamese_mixing="dynamic")),
+    ("post_pre", dict(siamese_mixing="static", post_pre_x_norm_position="after_addition")),
 ])
 def test_knobs_and_olmo_options_give_the_same_logits(model_type, overrides):
     olmo, core, config = _pair(model_type, **overrides)
@@ -115,7 +118,7 @@ def test_tied_weights_map_to_olmo_cores_tying():
         assert (core(_ids(config)) - olmo.eval()(_ids(config)).logits).abs().max().item() <= TOLERANCE
 
 
-@pytest.mark.parametrize("model_type", ["hybrid_pre", "post_pre", "hc"])
+@pytest.mark.parametrize("model_type", ["hybrid_pre", "post_pre", "hc", "attnres"])
 def test_gradients_agree(model_type):
     olmo, core, config = _pair(model_type)
     ids = _ids(config)

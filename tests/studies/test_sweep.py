@@ -100,7 +100,7 @@ def test_each_study_folder_holds_its_plan_results_figures_and_page():
     """studies/<study>/: the plan loads, its results: points into the folder, every committed cell is one of the
     plan's cells (with its record and compressed metrics), and the page names the figures it shows."""
     studies = sorted(p.parent for p in (ROOT / "studies").glob("*/sweep.yaml"))
-    assert [s.name for s in studies] == ["cpu-depth-dynamics", "cpu-lr-grid"]
+    assert [s.name for s in studies] == ["cpu-2026-field", "cpu-depth-dynamics", "cpu-lr-grid"]
     for study in studies:
         plan = load_plan(str(study / "sweep.yaml"))
         assert Path(plan.results).resolve() == (study / "results").resolve(), plan.results

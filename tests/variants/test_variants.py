@@ -27,6 +27,12 @@ CASES = [(mt, {}) for mt in MODEL_TYPES] + [
     ("mhc", {"mhc_sinkhorn_order": "rows_first", "mhc_sinkhorn_iterations": 2}),
     ("keel", {"keel_alpha": "layers"}),
     ("prores", {"prores_layer_steps": 2}),  # at step 3: layer scales 1, 0.75, 0.5
+    ("post_pre", {"siamese_mixing": "static"}),
+    ("post_pre", {"siamese_mixing": "dynamic", "post_pre_x_norm_position": "after_addition"}),
+    ("hybrid_pre", {"siamese_mixing": "dynamic"}),
+    ("hybrid_pre", {"siamese_mixing": "static", "siamese_mixing_init": 0.6}),
+    ("attnres", {"attnres_blocks": 1}),  # Block AttnRes, one block: the embedding and the running sum
+    ("attnres", {"attnres_blocks": 3}),  # a block a layer
 ]
 #: The optimizer steps taken before the forward these tests check (ProRes's scales depend on it; no other variant).
 STEP = 3
@@ -131,8 +137,8 @@ def test_activation_checkpointing_same_loss_and_grads(model_type, overrides, str
 @pytest.mark.parametrize("model_type,overrides", CASES, ids=IDS)
 def test_block_groups_keep_every_stream(model_type, overrides):
     """The reference code's block groups dropped the y stream; ours carry the stacked state through groups."""
-    flat = randomize(build_model(tiny_config(n_layers=4, **overrides), model_type)).eval()
-    grouped = build_model(tiny_config(n_layers=4, block_group_size=2, **overrides), model_type).eval()
+    flat = randomize(build_model(tiny_config(n_layers=6, **overrides), model_type)).eval()  # 6: attnres's blocks divide it
+    grouped = build_model(tiny_config(n_layers=6, block_group_size=2, **overrides), model_type).eval()
     state = {}
     for name, value in flat.state_dict().items():
         if name.startswith("transformer.blocks."):

@@ -1,0 +1,88 @@
+"""The reporting standard (siamesenorm/studies/standard.py): its statistics against known values and scipy, and its
+verdicts on a results folder written here (which rate is best, who is judged, Holm's correction, tolerance)."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from siamesenorm.studies.standard import holm, standard_report, student_t_sf, to_markdown, welch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_t_tail_matches_known_values_and_scipy():
+    # closed forms: df 1 is Cauchy (P(T > t) = 1/2 - atan(t)/pi), df 2 has P(T > t) = (1 - t / sqrt(t^2 + 2)) / 2
+    for t in (0.3, 1.0, 2.5, 7.0):
+        assert student_t_sf(t, 1) == pytest.approx(0.5 - math.atan(t) / math.pi, abs=1e-12)
+        assert student_t_sf(t, 2) == pytest.approx((1 - t / math.sqrt(t * t + 2)) / 2, abs=1e-12)
+        assert student_t_sf(-t, 3.7) == pytest.approx(1 - student_t_sf(t, 3.7), abs=1e-12)
+    stats = pytest.importorskip("scipy.stats")
+    for t, df in ((0.1, 1.3), (2.2, 3.9), (4.5, 2.1), (11.0, 1.9), (1.7, 40.0)):
+        assert student_t_sf(t, df) == pytest.approx(float(stats.t.sf(t, df)), rel=1e-9, abs=1e-14)
+    a, b = [37.83, 37.76, 37.19], [38.53, 38.35, 39.00]
+    ours = welch(a, b)
+    theirs = stats.ttest_ind(a, b, equal_var=False)
+    assert ours["t"] == pytest.approx(float(theirs.statistic), rel=1e-12)
+    assert ours["p"] == pytest.approx(float(theirs.pvalue), rel=1e-9)
+
+
+def test_holm_steps_down_and_stays_monotone():
+    # m = 4: sorted p 0.01, 0.02, 0.03, 0.2 -> 0.04, 0.06, 0.06 (monotone), 0.2
+    assert holm([0.03, 0.01, 0.2, 0.02]) == pytest.approx([0.06, 0.04, 0.2, 0.06])
+    assert holm([0.5, 0.9]) == pytest.approx([1.0, 1.0])
+    assert holm([]) == []
+
+
+def _cell(results, name, ppl, status="finished", spikes=0, knobs=None):
+    folder = results / name
+    folder.mkdir(parents=True)
+    record = {"status": status, "model_type": name.split("-")[0], "val_perplexity": ppl, "loss_spikes": spikes,
+              "learning_rate": float(name.split("-lr")[1].split("-s")[0]), "variant_knobs": knobs or {}}
+    (folder / "run.json").write_text(json.dumps(record))
+
+
+def test_verdicts_follow_the_standard(tmp_path):
+    """A method better than Pre-Norm by far more than the seeds' spread is "beyond"; one as good is "within"; one
+    with two seeds is not judged; the best rate is the lowest mean with no divergence; Holm counts two tests."""
+    one, two = tmp_path / "part1", tmp_path / "part2"
+    for seed, ppl in ((1, 40.1), (2, 39.8), (3, 40.3)):
+        _cell(one, f"pre-lr0.01-s{seed}", ppl)
+        _cell(one, f"pre-lr0.03-s{seed}", ppl + 2, spikes=seed)
+        _cell(two, f"good-lr0.03-s{seed}", ppl - 3)
+        _cell(two, f"good-lr0.01-s{seed}", ppl - 1)
+        _cell(two, f"same-lr0.01-s{seed}", ppl + 0.1 * (-1) ** seed)
+    _cell(two, "good-lr0.1-s1", None, status="diverged")
+    _cell(two, "fragile-lr0.003-s1", 45.0)
+    _cell(two, "fragile-lr0.01-s1", 30.0)
+    _cell(two, "fragile-lr0.01-s2", None, status="diverged")  # a diverged seed rules the rate out
+    _cell(two, "twoseeds-d_model=32-n_layers=8-lr0.01-s1", 38.0)
+    _cell(two, "twoseeds-d_model=32-n_layers=8-lr0.01-s2", 38.2)
+    _cell(one, "pre-d_model=32-n_layers=8-lr0.01-s1", 41.0)
+    _cell(one, "pre-d_model=32-n_layers=8-lr0.01-s2", 41.5)
+    report = standard_report([one, two])
+    rows = {r["configuration"]: r for r in report["comparisons"]}
+    assert report["configurations"]["good"]["best_lr"] == 0.03
+    assert report["configurations"]["fragile"]["best_lr"] == 0.003
+    assert report["comparisons_tested"] == 2  # good and same; the others lack seeds
+    assert rows["good"]["verdict"] == "beyond the noise floor (lower PPL)"
+    assert rows["good"]["p"] < rows["same"]["p"]
+    assert rows["good"]["p_holm"] == pytest.approx(2 * rows["good"]["p"])  # the smallest of two, times 2
+    assert rows["same"]["verdict"] == "within the noise floor"
+    assert rows["twoseeds-d_model=32-n_layers=8"]["baseline"] == "pre-d_model=32-n_layers=8"
+    assert rows["twoseeds-d_model=32-n_layers=8"]["verdict"].startswith("not judged: 2 seeds")
+    assert rows["fragile"]["verdict"].startswith("not judged: 1 seeds")
+    tolerance = report["configurations"]["good"]["tolerance"]
+    assert [(t["multiple"], t["diverged"], t["seeds"]) for t in tolerance] == [(pytest.approx(1 / 0.3), 1, 1)]
+    assert report["configurations"]["pre"]["tolerance"][0]["loss_spikes"] == pytest.approx(2.0)
+    page = to_markdown(report)
+    assert "| good | 0.03 | 3 |" in page and "beyond the noise floor" in page
+
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "study_report.py"), str(two), "--standard", "--with",
+                           str(one), "--output", str(out)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 judged" in proc.stdout and (out / "standard.md").read_text() == page
