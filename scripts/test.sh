@@ -18,4 +18,6 @@ for arg in "$@"; do
     tests*|*.py|*::*) targets=() ;;
   esac
 done
-python -m pytest -q -p no:cacheprovider "$@" "${targets[@]}"
+report=()
+if [ ${#targets[@]} -gt 0 ]; then report=(--durations=25); fi  # the whole suite: its 25 slowest tests at the end
+python -m pytest -q -p no:cacheprovider ${report[@]+"${report[@]}"} "$@" ${targets[@]+"${targets[@]}"}

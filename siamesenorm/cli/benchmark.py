@@ -9,6 +9,7 @@ token (and on CUDA peak memory and MFU), eager and with compiled blocks. Logic a
 
 import argparse
 import sys
+from pathlib import Path
 
 from siamesenorm.models.names import model_type_names
 
@@ -87,8 +88,6 @@ def main(argv=None) -> int:
               f"; fits = peak <= {1 - costmodel.MEMORY_HEADROOM:.0%} of the GPU's memory")
         print(costmodel.memory_markdown(result))
         if args.json:
-            from pathlib import Path
-
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
             print(f"wrote {args.json}")
         return 0
@@ -117,8 +116,6 @@ def main(argv=None) -> int:
                   f"{costmodel.BANDWIDTH_EFFICIENCY:.0%} of HBM bandwidth")
             print(costmodel.to_markdown(result, mode))
         if args.json:
-            from pathlib import Path
-
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
             print(f"wrote {args.json}")
         return 0

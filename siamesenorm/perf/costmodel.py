@@ -5,14 +5,23 @@ For one microbatch, forward and backward (the loss included, in fp32 as autocast
 
 - ``matmul_flops``: 2 x M x N x K of every matrix product (mm, addmm, bmm, baddbmm); fused attention (SDPA) as its
   two products, 4 B H T^2 d forward and twice that backward, the causal mask not subtracted;
-- ``bytes``: every other op's tensor inputs plus outputs (what an unfused kernel reads and writes in HBM);
-- ``kernels``: how many ops launch a kernel (views, which move nothing, are not counted).
+- ``bytes``: every op's tensor inputs plus outputs (what an unfused kernel reads and writes in HBM), the products'
+  operands and results included (``matmul_bytes``: those of the mm / bmm products, which inductor also leaves
+  to extern kernels: the compiled count reads the same bytes from its graph); an allocation
+  (``empty``, ``new_empty``, ...) moves nothing and launches nothing, a fill (``zeros``, ``fill_``, ...) writes its
+  output and reads nothing;
+- ``kernels``: how many ops launch a kernel (views, which move nothing, are not counted);
+- ``matmul_excess_s``: per device, the time by which memory-bound products (a product whose operands and result
+  take longer to move than its FLOPs to compute: hc's and mhc's (tokens x n d) @ (n d x few) coefficients, a
+  per-token stream sum as a bmm with N = 1) exceed their FLOP time: each product is charged max(FLOPs / peak,
+  bytes / bandwidth), a roofline per op.
 
 The model is built of fake tensors (torch's FakeTensorMode: shapes and dtypes, no storage) and run under CPU autocast
 to bf16, as the recipes' ``precision: amp_bf16`` runs on a GPU: matmuls in bf16, OLMo's norms and the loss in fp32.
-The estimated time on a device is ``matmul_flops / (peak x MATMUL_EFFICIENCY) + bytes / (bandwidth x
-BANDWIDTH_EFFICIENCY)``, with the devices' figures in ``DEVICES``; ratios to ``pre`` are what to read (the
-efficiencies cancel to first order).
+The estimated time on a device is ``matmul_flops / (peak x MATMUL_EFFICIENCY) + (bytes - matmul_bytes) /
+(bandwidth x BANDWIDTH_EFFICIENCY) + matmul_excess_s``: the other ops' bytes at the bandwidth, each product at the
+larger of its FLOP time and its byte time, with the devices' figures in ``DEVICES``; ratios to ``pre`` are what to
+read (the efficiencies cancel to first order).
 
 Eager counts what an unfused run launches. Compiled (``compiled_layer_cost``) reads what inductor itself fuses: a
 middle block is compiled alone, as ``compile:`` compiles each block, and every kernel of its forward and backward
@@ -39,7 +48,7 @@ from siamesenorm.models.build import build_model
 from siamesenorm.nn.loss import chunked_cross_entropy_loss
 
 __all__ = ["DEVICES", "MATMUL_EFFICIENCY", "BANDWIDTH_EFFICIENCY", "Cost", "count", "step_cost", "estimate_seconds",
-           "total", "table", "to_markdown", "compiled_layer_cost", "with_compiled_blocks"]
+           "total", "table", "to_markdown", "compiled_layer_cost", "with_compiled_blocks", "product_excess"]
 
 #: bf16 dense matmul peak (TFLOP/s) and HBM bandwidth (GB/s) from the vendors' data sheets (SXM parts).
 DEVICES = {
@@ -52,8 +61,20 @@ MATMUL_EFFICIENCY = 0.55  # of peak, for large bf16 GEMMs
 BANDWIDTH_EFFICIENCY = 0.80  # of HBM bandwidth, for elementwise and reduction kernels
 
 _NOT_KERNELS = {"detach", "lift_fresh", "_unsafe_view", "alias"}
+#: Allocations: no kernel, no bytes (their input is only a shape and dtype template).
+_ALLOCATIONS = {"empty", "new_empty", "empty_like", "empty_strided", "new_empty_strided", "empty_permuted"}
+#: Fills: one kernel writing its output, reading nothing (an in-place fill's "input" is the tensor it overwrites).
+_FILLS = {"zeros", "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "full", "full_like", "new_full",
+          "zero_", "fill_", "fill", "scalar_tensor"}
 _MATMUL = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default}
+
+
+def product_excess(flops: int, nbytes: int) -> Dict[str, float]:
+    """Per device, the seconds by which one product's bytes at the bandwidth exceed its FLOPs at the matmul rate
+    (0 for a compute-bound product): what the roofline max(FLOP time, byte time) adds to the FLOP time."""
+    return {d: max(0.0, nbytes / (spec["gbps"] * 1e9 * BANDWIDTH_EFFICIENCY)
+                   - flops / (spec["tflops"] * 1e12 * MATMUL_EFFICIENCY)) for d, spec in DEVICES.items()}
 
 
 @dataclass
@@ -61,25 +82,37 @@ class Cost:
     matmul_flops: int = 0
     bytes: int = 0
     kernels: int = 0
+    matmul_bytes: int = 0  # of ``bytes``: the mm / bmm products' operands and results
+    matmul_excess_s: Dict[str, float] = field(default_factory=lambda: {d: 0.0 for d in DEVICES})
     by_op: Dict[str, list] = field(default_factory=dict)  # op name -> [kernels, bytes, flops]
 
-    def add(self, name: str, flops: int, nbytes: int) -> None:
+    def add(self, name: str, flops: int, nbytes: int, product: bool = False) -> None:
+        """One kernel; ``product``: a matrix product, charged by the roofline (fused attention keeps the sum of its
+        FLOP time and byte time, as before: compute-bound at the recipes' sequence lengths, its bytes a small term)."""
         self.matmul_flops += flops
         self.bytes += nbytes
         self.kernels += 1
+        if product:
+            self.matmul_bytes += nbytes
+            for device, seconds in product_excess(flops, nbytes).items():
+                self.matmul_excess_s[device] += seconds
         row = self.by_op.setdefault(name, [0, 0, 0])
         row[0] += 1
         row[1] += nbytes
         row[2] += flops
 
     def __sub__(self, other: "Cost") -> "Cost":
-        return Cost(self.matmul_flops - other.matmul_flops, self.bytes - other.bytes, self.kernels - other.kernels)
+        return Cost(self.matmul_flops - other.matmul_flops, self.bytes - other.bytes, self.kernels - other.kernels,
+                    self.matmul_bytes - other.matmul_bytes,
+                    {d: self.matmul_excess_s[d] - other.matmul_excess_s[d] for d in self.matmul_excess_s})
 
     def scaled(self, factor: float) -> "Cost":
-        return Cost(int(self.matmul_flops * factor), int(self.bytes * factor), int(round(self.kernels * factor)))
+        return Cost(int(self.matmul_flops * factor), int(self.bytes * factor), int(round(self.kernels * factor)),
+                    int(self.matmul_bytes * factor), {d: v * factor for d, v in self.matmul_excess_s.items()})
 
-    def summary(self) -> Dict[str, int]:
-        return {"matmul_flops": self.matmul_flops, "bytes": self.bytes, "kernels": self.kernels}
+    def summary(self) -> Dict:
+        return {"matmul_flops": self.matmul_flops, "bytes": self.bytes, "kernels": self.kernels,
+                "matmul_bytes": self.matmul_bytes, "matmul_excess_s": dict(self.matmul_excess_s)}
 
 
 def _tensors(value):
@@ -105,18 +138,20 @@ class _Counter(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         name = func.overloadpacket.__name__
-        if func.is_view or name in _NOT_KERNELS or not any(True for _ in _tensors(out)):
-            return out  # aliases, and queries (sizes, devices) that move no data
-        if func in _MATMUL:
+        if func.is_view or name in _NOT_KERNELS or name in _ALLOCATIONS or not any(True for _ in _tensors(out)):
+            return out  # aliases, allocations, and queries (sizes, devices) that move no data
+        if func in _MATMUL:  # operands (and addmm's bias) read, the result written; roofline per product
             a, b = (args[1], args[2]) if func in (torch.ops.aten.addmm.default, torch.ops.aten.baddbmm.default) \
                 else (args[0], args[1])
             flops = 2 * a.numel() * b.shape[-1]  # (..., M, K) @ (..., K, N): 2 M N K per batch
-            self.cost.add(name, flops, 0)
+            self.cost.add(name, flops, _nbytes(args) + _nbytes(out), product=True)
         elif name.startswith("_scaled_dot_product"):  # one fused kernel: its products, and q, k, v, o (and grads)
             q, k = args[0], args[1]
             products = 4 * q.numel() * k.shape[-2]  # Q K^T and P V, 2 B H Tq Tk d each
             self.cost.add(name, 2 * products if name.endswith("backward") else products,
                           _nbytes(args) + _nbytes(out))
+        elif name in _FILLS:
+            self.cost.add(name, 0, _nbytes(out))
         else:
             self.cost.add(name, 0, _nbytes(args) + _nbytes(kwargs or {}) + _nbytes(out))
         return out
@@ -182,10 +217,15 @@ def with_compiled_blocks(eager: Dict, compiled_layer: Dict[str, Dict[str, int]],
     layer, step = {}, {}
     for phase in ("forward", "backward"):
         e_layer, c_layer = eager["layer"][phase], compiled_layer[phase]
+        # the products inductor left to extern kernels, their bytes as it scheduled them (a product it lowered
+        # into a fused kernel is in that kernel's bytes); the roofline excess is the eager products', an upper
+        # bound where inductor lowered a memory-bound product itself (mhc's small ones at small widths)
         layer[phase] = {"matmul_flops": e_layer["matmul_flops"], "bytes": c_layer["bytes"],
-                        "kernels": c_layer["kernels"]}
-        step[phase] = {k: eager["step"][phase][k] + n_layers * (layer[phase][k] - e_layer[k])
-                       for k in ("matmul_flops", "bytes", "kernels")}
+                        "kernels": c_layer["kernels"], "matmul_bytes": c_layer.get("matmul_bytes", 0),
+                        "matmul_excess_s": dict(e_layer.get("matmul_excess_s", {}))}
+        step[phase] = {k: eager["step"][phase].get(k, 0) + n_layers * (layer[phase][k] - e_layer.get(k, 0))
+                       for k in ("matmul_flops", "bytes", "kernels", "matmul_bytes")}
+        step[phase]["matmul_excess_s"] = dict(eager["step"][phase].get("matmul_excess_s", {}))
     return {"step": step, "layer": layer}
 
 
@@ -193,12 +233,20 @@ def estimate_seconds(cost: Dict[str, int], device: str) -> float:
     """Time of ``cost`` (one pass) on ``device`` by the model in the module docstring."""
     spec = DEVICES[device]
     return (cost["matmul_flops"] / (spec["tflops"] * 1e12 * MATMUL_EFFICIENCY)
-            + cost["bytes"] / (spec["gbps"] * 1e9 * BANDWIDTH_EFFICIENCY))
+            + (cost["bytes"] - cost.get("matmul_bytes", 0)) / (spec["gbps"] * 1e9 * BANDWIDTH_EFFICIENCY)
+            + cost.get("matmul_excess_s", {}).get(device, 0.0))
 
 
-def total(costs: Dict[str, Dict[str, int]]) -> Dict[str, int]:
+def total(costs: Dict[str, Dict]) -> Dict:
     """Forward plus backward."""
-    return {k: costs["forward"][k] + costs.get("backward", {}).get(k, 0) for k in costs["forward"]}
+    out = {}
+    for k, v in costs["forward"].items():
+        other = costs.get("backward", {}).get(k)
+        if isinstance(v, dict):
+            out[k] = {d: v[d] + (other or {}).get(d, 0.0) for d in v}
+        else:
+            out[k] = v + (other or 0)
+    return out
 
 
 def table(model_cfg, model_types, microbatch: int, seq_len: Optional[int] = None,
@@ -230,7 +278,8 @@ def table(model_cfg, model_types, microbatch: int, seq_len: Optional[int] = None
                                for d in DEVICES}}
     return {"microbatch": microbatch, "seq_len": seq_len or model_cfg.max_sequence_length,
             "precision": str(autocast) if autocast is not None else "fp32", "n_layers": model_cfg.n_layers,
-            "d_model": model_cfg.d_model, "modes": list(modes), "rows": rows, "devices": DEVICES,
+            "d_model": model_cfg.d_model, "recompute": bool(model_cfg.recompute_cheap),
+            "fused": bool(model_cfg.fused_streams), "modes": list(modes), "rows": rows, "devices": DEVICES,
             "efficiency": {"matmul": MATMUL_EFFICIENCY, "bandwidth": BANDWIDTH_EFFICIENCY}}
 
 
@@ -266,8 +315,10 @@ def _scheduled_cost(nodes) -> Cost:
             if not kernel:
                 continue  # MultiOutput and the like: views of an extern kernel's result, no launch
             name = kernel.rsplit(".", 1)[-1] if not kernel.endswith(".default") else kernel.rsplit(".", 2)[-2]
-            if name in _EXTERN_MATMULS:
-                cost.add(name, 0, 0)
+            if name in _EXTERN_MATMULS:  # its operands and result; its FLOPs (and roofline) are the eager count's
+                nbytes = node.get_read_write_buffers_sizes()
+                cost.add(name, 0, nbytes)
+                cost.matmul_bytes += nbytes
                 continue
             cost.add(name, 0, node.get_read_write_buffers_sizes())
         else:
@@ -348,8 +399,10 @@ def compiled_layer_cost(model_cfg, model_type: str, microbatch: int, seq_len: Op
             raise RuntimeError(f"{model_type} {phase}: inductor fused {t1} and {t2} tokens into different kernel counts "
                                f"({a[phase].kernels}, {b[phase].kernels}); carry from larger samples")
         per_token = (b[phase].bytes - a[phase].bytes) / (t2 - t1)
+        products = (b[phase].matmul_bytes - a[phase].matmul_bytes) / (t2 - t1)
         result[phase] = {"matmul_flops": 0, "bytes": int(round(a[phase].bytes + per_token * (real - t1))),
-                         "kernels": a[phase].kernels}
+                         "kernels": a[phase].kernels,
+                         "matmul_bytes": int(round(a[phase].matmul_bytes + products * (real - t1)))}
     return result
 
 
