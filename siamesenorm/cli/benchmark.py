@@ -48,6 +48,9 @@ def main(argv=None) -> int:
                         "matmul FLOPs, bytes moved and kernels per layer and step, bf16 autocast, eager and (with --modes "
                         "compiled, the default) each block compiled by inductor (minutes a variant on 2 CPU cores), "
                         "and the estimated step time against pre on A100 / H100 / H200 (siamesenorm/perf/costmodel.py)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                        help="--cost-model / --memory-model: a recipe field changed, as the training command's "
+                        "--KEY=VALUE (e.g. --set model.siamese_mixing=dynamic --set model.attnres_blocks=8); repeatable")
     parser.add_argument("--memory-model", action="store_true",
                         help="instead of timing: GiB per GPU of one step of the recipe at its microbatch under FSDP "
                         "full shard (--gpus), bf16, by parts, recompute on and off and with whole-layer activation "
@@ -78,7 +81,11 @@ def main(argv=None) -> int:
         from siamesenorm.perf import costmodel
         from siamesenorm.run.recipe import load_config
 
-        cfg = load_config(args.recipe)
+        try:
+            cfg = load_config(args.recipe, [f"--{kv.lstrip('-')}" for kv in args.overrides])
+        except Exception as e:  # a recipe or --set the config refuses: its own one-line message
+            print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+            return 2
         if args.fused is not None:
             cfg.model.fused_streams = args.fused == "on"
         result = costmodel.memory_table(cfg.model, types, args.batch or cfg.device_train_microbatch_size, args.seq,
@@ -98,15 +105,25 @@ def main(argv=None) -> int:
         from siamesenorm.perf import costmodel
         from siamesenorm.run.recipe import load_config
 
-        cfg = load_config(args.recipe)
+        try:
+            cfg = load_config(args.recipe, [f"--{kv.lstrip('-')}" for kv in args.overrides])
+        except Exception as e:  # a recipe or --set the config refuses: its own one-line message
+            print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+            return 2
         model_cfg = dataclasses.replace(cfg.model, **{k: v for k, v in (
             ("n_layers", args.layers), ("d_model", args.d_model),
             ("recompute_cheap", None if args.recompute is None else args.recompute == "on"),
             ("fused_streams", None if args.fused is None else args.fused == "on")) if v is not None})
         compiled = "compiled" in args.modes
-        result = costmodel.table(model_cfg, types, args.batch or cfg.device_train_microbatch_size, args.seq,
-                                 compiled=compiled,
-                                 progress=lambda mt: print(f"counting {mt}", file=sys.stderr, flush=True))
+        from olmo.exceptions import OLMoConfigurationError
+
+        try:
+            result = costmodel.table(model_cfg, types, args.batch or cfg.device_train_microbatch_size, args.seq,
+                                     compiled=compiled,
+                                     progress=lambda mt: print(f"counting {mt}", file=sys.stderr, flush=True))
+        except OLMoConfigurationError as e:  # a --set the variant refuses: its one line
+            print(f"error: {e}", file=sys.stderr)
+            return 2
         for mode in result["modes"]:
             print(f"\n{args.recipe}: {model_cfg.n_layers} layers, d_model {model_cfg.d_model}, microbatch "
                   f"{result['microbatch']} x {result['seq_len']}, bf16 autocast, {mode}, recompute "

@@ -41,6 +41,7 @@ from typing import Dict, Optional
 
 import torch
 import torch.nn.functional as F
+from olmo.exceptions import OLMoConfigurationError
 from olmo.train import cross_entropy_loss
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -192,10 +193,20 @@ def step_cost(model_cfg, model_type: str, microbatch: int, seq_len: Optional[int
     """{"step": {forward, backward}, "layer": {forward, backward}, "by_op"} for one microbatch, eager: the whole
     model, and one layer: a middle block (a 3-layer model less a 2-layer one: the first block widens the embedding
     and the last fuses the streams, so a middle block is what the other layers cost); with fewer than 3 layers, the
-    whole model less a one-layer model, over the layers between."""
+    whole model less a one-layer model, over the layers between; where no such smaller model can be built (Block
+    AttnRes, whose blocks must divide the layers), the step's average layer (``layer_is_average``)."""
     seq_len = seq_len or model_cfg.max_sequence_length
     n = model_cfg.n_layers
     full = _fake_count(model_cfg, model_type, n, microbatch, seq_len, autocast)
+    try:
+        return _with_layer(full, model_cfg, model_type, n, microbatch, seq_len, autocast)
+    except OLMoConfigurationError:  # no 3- or 2-layer model of this config (Block AttnRes: N blocks need N | layers)
+        layer = {k: v.scaled(1.0 / n) for k, v in full.items()}
+        return {"step": {k: v.summary() for k, v in full.items()}, "layer": {k: v.summary() for k, v in layer.items()},
+                "by_op": {k: v.by_op for k, v in full.items()}, "layer_is_average": True}
+
+
+def _with_layer(full, model_cfg, model_type, n, microbatch, seq_len, autocast) -> Dict[str, Dict]:
     if n >= 3:
         three = full if n == 3 else _fake_count(model_cfg, model_type, 3, microbatch, seq_len, autocast)
         two = _fake_count(model_cfg, model_type, 2, microbatch, seq_len, autocast)

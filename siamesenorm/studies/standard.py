@@ -1,4 +1,4 @@
-"""The reporting standard the study's verdicts are judged by (issue 43; the standard of "Most Transformer
+"""The reporting standard the study's verdicts are judged by (after the standard of "Most Transformer
 Modifications Still Do Not Transfer at 1-3B", arXiv 2605.20798, at CPU scale):
 
 1. each configuration (a MODEL_TYPE with its knobs, at one shape and schedule) at its **best learning rate** from

@@ -148,3 +148,26 @@ def test_block_groups_keep_every_stream(model_type, overrides):
     grouped.load_state_dict(state)
     with torch.no_grad():
         torch.testing.assert_close(grouped(ids()).logits, flat(ids()).logits, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("blocks", [0, 1])
+def test_attnres_state_is_read_by_the_analyses_as_one_stream(blocks):
+    """attnres carries a growing number of sources: the analyses see one stream, the sources' sum (the state a
+    Pre-Norm model would hold), and the depth probe's skipped block adds zero outputs, so the logits change but
+    every shape holds."""
+    from siamesenorm.analysis import probes
+
+    model = randomize(build_model(tiny_config(attnres_blocks=blocks), "attnres")).eval()
+    x = ids()
+    names, per_layer = probes.layer_streams(model, x)
+    assert names == ["residual"] and len(per_layer) == model.config.n_layers + 1
+    assert all(len(layer) == 1 and layer[0].shape == (2, 12, 32) for layer in per_layer)
+    embedding = model.transformer.wte(x)
+    torch.testing.assert_close(per_layer[0][0], embedding)
+    block1 = model.transformer.blocks[1]
+    assert block1.n_streams == (3 if blocks == 0 else 2)  # Full: emb, attn0, mlp0; one block: emb, partial sum
+    with torch.no_grad():
+        full = model(x).logits
+        with probes.layers_removed(model, [1]):
+            skipped = model(x).logits
+    assert skipped.shape == full.shape and not torch.allclose(skipped, full)
