@@ -28,9 +28,11 @@ def _loss(model, ids):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", MODEL_TYPES)
-def test_every_block_compiles_fullgraph_and_matches_eager(model_type):
-    eager = build_model(tiny_config(n_layers=2), model_type)
+@pytest.mark.parametrize("model_type,overrides", [(mt, {}) for mt in MODEL_TYPES] + [
+    ("hybrid_pre", {"siamese_mixing": "dynamic"}), ("attnres", {"attnres_blocks": 1})],
+    ids=list(MODEL_TYPES) + ["hybrid_pre-siamese_mixing=dynamic", "attnres-attnres_blocks=1"])
+def test_every_block_compiles_fullgraph_and_matches_eager(model_type, overrides):
+    eager = build_model(tiny_config(n_layers=2, **overrides), model_type)
     compiled = copy.deepcopy(eager)
     assert compile_blocks(compiled, {"fullgraph": True, "mode": None}) == 2
     ids = torch.randint(0, 96, (2, 16), generator=torch.Generator().manual_seed(1))
