@@ -1,5 +1,7 @@
 """The GPU check: each seed MODEL_TYPE trained on one GPU (bf16, FSDP, compiled blocks), stopped and resumed,
-generation, export and the preflight's timed run, as a Markdown report. Logic: siamesenorm/cluster/gpucheck.py.
+generation, export and the preflight's timed run, the fused kernels checked at the toy size and at the recipes'
+width, and the step times of pre, post_pre, hybrid_pre, hc and mhc fused off and on, eager and compiled, at the
+1.3B width, as a Markdown report. Logic: siamesenorm/cluster/gpucheck.py.
 On a GPU machine without a package index, run scripts/gpu_check.sh (it installs from a wheelhouse first).
 
   python scripts/gpu_check.py --report results/gpu/report.md
@@ -23,6 +25,14 @@ def main(argv=None) -> int:
     parser.add_argument("--global-batch", type=int, default=64,
                         help="sequences a step (default 64; 0: the recipe's)")
     parser.add_argument("--timed-steps", type=int, default=5, help="steps of the preflight's timed run (default 5)")
+    parser.add_argument("--kernel-sizes", nargs="+", default=["48:2x5", "2048:3x67"], metavar="D:R1xR2",
+                        help="the fused kernels' check at each feature width D and R1 x R2 rows (default: the toy "
+                        "size and one in the recipes' range: several programs, partial tail blocks)")
+    parser.add_argument("--timing-types", nargs="*", default=["pre", "post_pre", "hybrid_pre", "hc", "mhc"],
+                        help="MODEL_TYPEs timed against pre, fused off and on, eager and compiled (none: skipped)")
+    parser.add_argument("--timing-args", default="--recipe configs/OLMo-1B-2e-3.yaml --layers 4 --batch 4 --seq 2048 "
+                        "--repeats 5 --steps-per-timing 2",
+                        help="scripts/benchmark.py's arguments for the timing (default: the 1.3B width, 4 layers)")
     parser.add_argument("--work", default="/tmp/siamesenorm-gpu-check", help="data, runs and exports go here")
     parser.add_argument("--report", default="results/gpu/report.md", help="the Markdown report (a .json beside it)")
     args, overrides = parser.parse_known_args(argv)
@@ -35,9 +45,17 @@ def main(argv=None) -> int:
 
     from siamesenorm.cluster.gpucheck import CheckSettings, run_check, to_markdown
 
+    sizes = []
+    for text in args.kernel_sizes:
+        try:
+            d, rows = text.split(":")
+            sizes.append((int(d), tuple(int(r) for r in rows.split("x"))))
+        except ValueError:
+            parser.error(f"--kernel-sizes {text!r}: write D:R1xR2, e.g. 2048:3x67")
     settings = CheckSettings(recipe=args.recipe, variants=args.variants, exact_variants=args.exact or [],
                              steps=args.steps, global_batch=args.global_batch or None, overrides=overrides,
-                             work=args.work, timed_steps=args.timed_steps)
+                             work=args.work, timed_steps=args.timed_steps, kernel_sizes=sizes,
+                             timing_types=args.timing_types or None, timing_args=shlex.split(args.timing_args))
     result = run_check(settings)
     report = Path(args.report)
     report.parent.mkdir(parents=True, exist_ok=True)

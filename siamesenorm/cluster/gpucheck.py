@@ -39,6 +39,14 @@ class CheckSettings:
     work: str = "/tmp/siamesenorm-gpu-check"
     timed_steps: int = 5
     timeout_s: int = 900  # one training launch
+    # the fused kernels' check at each (d, rows): the toy size, and a size in the recipes' range where every
+    # kernel runs several programs with partial tail blocks and the feature loops several chunks
+    kernel_sizes: Sequence = ((48, (2, 5)), (2048, (3, 67)))
+    # the cost model's claims timed: these MODEL_TYPEs at the 1.3B width, a few layers, bf16, fused off and on,
+    # eager and compiled, each against pre of the same setting (scripts/benchmark.py); None: skipped
+    timing_types: Optional[Sequence[str]] = ("pre", "post_pre", "hybrid_pre", "hc", "mhc")
+    timing_args: Sequence[str] = ("--recipe", "configs/OLMo-1B-2e-3.yaml", "--layers", "4", "--batch", "4",
+                                  "--seq", "2048", "--repeats", "5", "--steps-per-timing", "2")
 
 
 def _environment() -> Dict[str, str]:
@@ -136,19 +144,35 @@ def run_check(s: CheckSettings, progress=lambda m: print(m, file=sys.stderr, flu
     except Exception as e:  # noqa: BLE001  (each step reports, the check goes on)
         result["failures"].append(f"preflight: {type(e).__name__}: {e}")
 
-    progress("the fused kernels (model.fused_streams) against their reference")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    try:
-        start = time.time()
-        seen: list = []
-        bad = fused.check(device, seen=seen)
-        result["fused"] = {"device": device, "kernels": "triton" if fused.available(torch.zeros(1, device=device))
-                           else "torch", "mismatches": len(bad), "combinations": len(seen),
-                           "seconds": time.time() - start}
-        if bad:
-            result["failures"].append(f"fused ops: {len(bad)} flag combinations disagree, e.g. {bad[0]}")
-    except Exception as e:  # noqa: BLE001
-        result["failures"].append(f"fused ops: {type(e).__name__}: {e}")
+    result["fused_sizes"] = []
+    for d, rows in s.kernel_sizes:
+        progress(f"the fused kernels (model.fused_streams) against their reference, d {d}, rows {rows}")
+        try:
+            start = time.time()
+            seen: list = []
+            bad = fused.check(device, d=d, rows=tuple(rows), seen=seen)
+            entry = {"device": device, "kernels": "triton" if fused.available(torch.zeros(1, device=device))
+                     else "torch", "mismatches": len(bad), "combinations": len(seen), "seconds": time.time() - start,
+                     "d": d, "rows": list(rows)}
+            result["fused_sizes"].append(entry)
+            result.setdefault("fused", entry)  # the first size, as earlier reports had it
+            if bad:
+                result["failures"].append(f"fused ops at d {d}: {len(bad)} flag combinations disagree, e.g. {bad[0]}")
+        except Exception as e:  # noqa: BLE001
+            result["failures"].append(f"fused ops at d {d}: {type(e).__name__}: {e}")
+
+    if s.timing_types:
+        timing = result["timing"] = {}
+        for fused_on in ("off", "on"):
+            progress(f"timing {', '.join(s.timing_types)}, fused {fused_on}, eager and compiled")
+            out = work / f"timing-fused-{fused_on}.json"
+            r = _run_tool(["scripts/benchmark.py", *s.timing_args, "--model-types", *s.timing_types, "--fused",
+                           fused_on, "--modes", "eager", "compiled", "--json", str(out)], timeout=s.timeout_s)
+            timing[fused_on] = {"code": r["code"], "table": r["stdout"][-4000:]}
+            if r["code"] != 0:
+                result["failures"].append(f"timing, fused {fused_on}: exit {r['code']}: "
+                                          f"{r['stderr'].strip().splitlines()[-1:]}")
 
     runs = result["runs"] = {}
     for mt in s.variants:
@@ -205,11 +229,16 @@ def to_markdown(result: Dict, command: str) -> str:
                       + (f", MFU {100 * run['mfu']:.1f}%" if run.get("mfu") else "")
                       + (f", peak {run['peak_gib']:.2f} GiB (memory model, FSDP over 1: "
                          f"{pf['memory_model_peak_gib']:.2f} GiB)" if run.get("peak_gib") else "")]
-    fz = result.get("fused")
-    if fz:
-        lines += ["", f"Fused ops (model.fused_streams) on {fz['device']}, {fz['kernels']} path: "
+    for fz in result.get("fused_sizes") or ([result["fused"]] if result.get("fused") else []):
+        size = f", d {fz['d']}, rows {' x '.join(map(str, fz['rows']))}" if "d" in fz else ""
+        lines += ["", f"Fused ops (model.fused_streams) on {fz['device']}, {fz['kernels']} path{size}: "
                   f"{fz['mismatches']} of {fz['combinations']} flag combinations disagree with the reference, "
                   f"forward and backward ({fz['seconds']:.0f} s)."]
+    if result.get("timing"):
+        lines += ["", "## Step time against pre (scripts/benchmark.py, one process, interleaved)", "",
+                  "Arguments: `" + " ".join(s.get("timing_args") or []) + "`."]
+        for fused_on, r in result["timing"].items():
+            lines += ["", f"Fused {fused_on} (exit {r['code']}):", "", "```", r["table"].strip(), "```"]
     lines += ["", "## Training", "", "| MODEL_TYPE | exit | first loss | last loss | tokens/s (median, second half) "
               "| wall s |", "| --- | --- | ---: | ---: | ---: | ---: |"]
     for mt, r in result.get("runs", {}).items():

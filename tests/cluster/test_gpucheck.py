@@ -16,6 +16,8 @@ def test_gpu_check_on_the_cpu_with_the_tiny_recipe(tmp_path):
     report = tmp_path / "report.md"
     code = main(["--recipe", "configs/tiny-cpu.yaml", "--variants", "hybrid_pre", "--exact", "hybrid_pre",
                  "--steps", "4", "--global-batch", "0", "--timed-steps", "2", "--work", str(tmp_path / "work"),
+                 "--kernel-sizes", "48:2x5", "--timing-types", "pre", "--timing-args",
+                 "--recipe configs/tiny-cpu.yaml --layers 2 --batch 2 --seq 32 --repeats 1 --steps-per-timing 1",
                  "--report", str(report)])
     result = json.loads(report.with_suffix(".json").read_text())
     assert code == 0 and result["failures"] == [], result["failures"]
@@ -31,3 +33,6 @@ def test_gpu_check_on_the_cpu_with_the_tiny_recipe(tmp_path):
     assert "0 of 312 flag combinations disagree" in text
     assert "| hybrid_pre | 0, 0 | 4 | 0 | yes |" in text and "## Failures\n\nnone" in text
     assert "python scripts/gpu_check.py --recipe configs/tiny-cpu.yaml" in text
+    # the timing step: benchmark.py ran fused off and on, eager and compiled, and its table is in the report
+    assert {k: r["code"] for k, r in result["timing"].items()} == {"off": 0, "on": 0}
+    assert text.count("## Step time against pre") == 1 and "| pre |" in result["timing"]["on"]["table"]
