@@ -308,7 +308,10 @@ def _torch_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h
     return dx1, dy1, do, grads
 
 
-def _triton_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps):
+def _triton_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps,
+                     x_dtype=torch.float32, o_dtype=torch.float32):
+    """The kernel computes in fp32 and writes dX, dY in ``x_dtype`` and dO in ``o_dtype`` (the dtypes the caller
+    returns: no fp32 buffer and cast after it); the weights' partial sums stay fp32 until summed."""
     d = dy1.shape[-1]
     dy1, dy1_stride = _rows(dy1, d)
     rows = dy1.shape[0]
@@ -316,8 +319,9 @@ def _triton_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_
     xs, xs_stride = _rows(xs, d) if xs.numel() else (dy1, 0)
     y1, y1_stride = _rows(y1, d) if y1.numel() else (dy1, 0)
     dh = dh.reshape(rows, d).contiguous() if dh.numel() else dy1
-    dy = torch.empty((rows, d), dtype=torch.float32, device=dy1.device)
-    dx, do = (torch.empty_like(dy) if has_x else dy), (torch.empty_like(dy) if has_o else dy)
+    dy = torch.empty((rows, d), dtype=x_dtype, device=dy1.device)
+    dx = torch.empty((rows, d), dtype=x_dtype, device=dy1.device) if has_x else dy
+    do = torch.empty((rows, d), dtype=o_dtype, device=dy1.device) if has_o else dy
     per = min(64, rows)  # rows per program: 64 at training sizes; a small call, one program
     programs = triton.cdiv(rows, per)
     partials = [torch.empty((programs, d), dtype=torch.float32, device=dy.device) if w is not None else dy
@@ -369,8 +373,8 @@ def _stream_backward(xs: Tensor, y1: Tensor, dxa: Tensor, dy1: Tensor, dh: Tenso
                      has_x: bool, eps: float, x_dtype: torch.dtype, o_dtype: torch.dtype) -> List[Tensor]:
     """(dX, dY, dO, dW^X, dW^Y, dgamma, dW^in), each empty where absent."""
     weights = (x_weight, y_weight, gamma, in_weight)
-    run = _triton_backward if _use_triton(dy1) else _torch_backward
-    dx, dy, do, grads = run(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps)
+    args = (xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps)
+    dx, dy, do, grads = _triton_backward(*args, x_dtype, o_dtype) if _use_triton(dy1) else _torch_backward(*args)
     shape = dy1.shape
     out = [dx.reshape(shape).to(x_dtype) if dx is not None else _empty(dy1), dy.reshape(shape).to(x_dtype),
            do.reshape(shape).to(o_dtype) if do is not None else _empty(dy1)]
@@ -530,7 +534,8 @@ def _head_forward_impl(qkv, table, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Te
 
 
 def _head_backward_impl(qkv, dq, dk, dv, table, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Optional[Tensor]]:
-    """(d qkv fp32, d table) for (q, k, v) = per-head RMSNorm(qkv) * table."""
+    """(d qkv, d table) for (q, k, v) = per-head RMSNorm(qkv) * table: d qkv in fp32 on the torch path, in qkv's
+    dtype from the kernel (computed in fp32, written once); d table's partial sums in fp32."""
     slots = n_q + 2 * n_kv
     if not _use_triton(qkv):
         u = qkv.float().unflatten(-1, (slots, head_dim))
@@ -541,7 +546,7 @@ def _head_backward_impl(qkv, dq, dk, dv, table, n_q, n_kv, head_dim, eps) -> Tup
     rows_t, t_stride = _rows(qkv, slots * head_dim)
     rows = rows_t.shape[0]
     dq, dk, dv = (t.reshape(rows, -1).contiguous() for t in (dq, dk, dv))
-    dt = torch.empty((rows, slots * head_dim), dtype=torch.float32, device=qkv.device)
+    dt = torch.empty((rows, slots * head_dim), dtype=qkv.dtype, device=qkv.device)
     per = min(64, rows)
     programs = triton.cdiv(rows, per)
     partial = torch.empty((programs, slots, head_dim), dtype=torch.float32, device=qkv.device) \
@@ -873,8 +878,8 @@ def _mix_backward_impl(h: Tensor, m: Tensor, b: Tensor, f: Tensor, g: Tensor):
     tokens = hv.shape[0]
     fv, f_tok = _rows(f, d)
     gv, g_tok, _ = _streams_view(g.contiguous())
-    dh = torch.empty((tokens, n, d), dtype=torch.float32, device=h.device)
-    df = torch.empty((tokens, d), dtype=torch.float32, device=h.device)
+    dh = torch.empty((tokens, n, d), dtype=h.dtype, device=h.device)  # written in the dtypes returned: no cast
+    df = torch.empty((tokens, d), dtype=f.dtype, device=h.device)
     dm = torch.empty((tokens, n, n), dtype=torch.float32, device=h.device)
     db = torch.empty((tokens, n), dtype=torch.float32, device=h.device)
     _mix_backward_kernel[(triton.cdiv(tokens, _MIX_BLOCK_T),)](
@@ -929,7 +934,7 @@ def stream_mix(h: Tensor, m: Tensor, b: Tensor, f: Tensor) -> Tensor:
 
 # ---- the check the tests and the GPU check run ---------------------------------------------------------------------
 def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol: float = 2e-5,
-          seen: Optional[list] = None) -> List[dict]:
+          seen: Optional[list] = None, dtype: torch.dtype = torch.float64) -> List[dict]:
     """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32) and ``stream_add``, on separate
     and stacked streams, of ``head_norm`` (with and without weights, as many k/v heads as q heads and fewer,
     contiguous and strided: 8), of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8) and of
@@ -937,13 +942,17 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
     projection of the outputs), against autograd of ``reference`` / ``head_reference`` / siamesenorm.nn.sinkhorn /
     ``mix_reference``, fp64 inputs on ``device`` (fp32 inside all); returns the combinations that
     disagree, and appends every combination it ran to ``seen`` (if given). On CUDA with Triton (or under
-    ``TRITON_INTERPRET=1``) it checks the kernels, elsewhere the torch path."""
+    ``TRITON_INTERPRET=1``) it checks the kernels, elsewhere the torch path. ``dtype=torch.bfloat16`` (with a
+    ``tol`` of a few bf16 steps, 3e-2): bf16 inputs, as the recipes' autocast gives them, against the references,
+    which compute in fp32 from the same inputs and round their outputs (and autograd its gradients) to bf16 once, as
+    the kernels do; Sinkhorn's logits stay fp32, as the model computes them."""
     gen = torch.Generator().manual_seed(0)
     shape = (*rows, d)
     seen = [] if seen is None else seen
 
-    def randn(*size, grad=True):
-        return torch.randn(*size, generator=gen, dtype=torch.float64).to(device).requires_grad_(grad)
+    def randn(*size, grad=True, as_dtype=None):
+        return torch.randn(*size, generator=gen, dtype=torch.float64).to(device, as_dtype or dtype) \
+            .requires_grad_(grad)
 
     def weight(on):
         return (1 + 0.3 * randn(d, grad=False)).requires_grad_() if on else None
@@ -1004,7 +1013,8 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
                      [base] + [w for w in ws if w is not None], (n_q * hd, n_kv * hd, n_kv * hd)):
             bad.append(case)
     for n, columns_first, iterations in itertools.product([4, 3], [True, False], [1, 20]):
-        logits = (2 * randn(*rows, n * n, grad=False)).unflatten(-1, (n, n)).requires_grad_()  # far from uniform
+        logits = (2 * randn(*rows, n * n, grad=False, as_dtype=torch.float64 if dtype == torch.float64
+                            else torch.float32)).unflatten(-1, (n, n)).requires_grad_()  # far from uniform
         order = "columns_first" if columns_first else "rows_first"
         case = dict(sinkhorn=True, n=n, order=order, iterations=iterations)
         seen.append(case)
