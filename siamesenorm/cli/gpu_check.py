@@ -25,9 +25,11 @@ def main(argv=None) -> int:
     parser.add_argument("--global-batch", type=int, default=64,
                         help="sequences a step (default 64; 0: the recipe's)")
     parser.add_argument("--timed-steps", type=int, default=5, help="steps of the preflight's timed run (default 5)")
-    parser.add_argument("--kernel-sizes", nargs="+", default=["48:2x5", "2048:3x67"], metavar="D:R1xR2",
-                        help="the fused kernels' check at each feature width D and R1 x R2 rows (default: the toy "
-                        "size and one in the recipes' range: several programs, partial tail blocks)")
+    parser.add_argument("--kernel-sizes", nargs="+", default=["48:2x5", "2048:3x67", "2048:3x67:bf16"],
+                        metavar="D:R1xR2[:bf16]",
+                        help="the fused kernels' check at each feature width D and R1 x R2 rows, fp64 inputs or "
+                        "bf16 (default: the toy size, one in the recipes' range with several programs and partial "
+                        "tail blocks, and that one in bf16)")
     parser.add_argument("--timing-types", nargs="*", default=["pre", "post_pre", "hybrid_pre", "hc", "mhc"],
                         help="MODEL_TYPEs timed against pre, fused off and on, eager and compiled (none: skipped)")
     parser.add_argument("--timing-args", default="--recipe configs/OLMo-1B-2e-3.yaml --layers 4 --batch 4 --seq 2048 "
@@ -48,10 +50,12 @@ def main(argv=None) -> int:
     sizes = []
     for text in args.kernel_sizes:
         try:
-            d, rows = text.split(":")
-            sizes.append((int(d), tuple(int(r) for r in rows.split("x"))))
+            d, rows, *kind = text.split(":")
+            if kind not in ([], ["bf16"]):
+                raise ValueError(text)
+            sizes.append((int(d), tuple(int(r) for r in rows.split("x")), *kind))
         except ValueError:
-            parser.error(f"--kernel-sizes {text!r}: write D:R1xR2, e.g. 2048:3x67")
+            parser.error(f"--kernel-sizes {text!r}: write D:R1xR2 or D:R1xR2:bf16, e.g. 2048:3x67:bf16")
     settings = CheckSettings(recipe=args.recipe, variants=args.variants, exact_variants=args.exact or [],
                              steps=args.steps, global_batch=args.global_batch or None, overrides=overrides,
                              work=args.work, timed_steps=args.timed_steps, kernel_sizes=sizes,

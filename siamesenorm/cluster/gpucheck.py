@@ -41,7 +41,8 @@ class CheckSettings:
     timeout_s: int = 900  # one training launch
     # the fused kernels' check at each (d, rows): the toy size, and a size in the recipes' range where every
     # kernel runs several programs with partial tail blocks and the feature loops several chunks
-    kernel_sizes: Sequence = ((48, (2, 5)), (2048, (3, 67)))
+    # (d, rows[, "bf16"]): bf16 inputs against the fp32-inside references, to 3e-2 of each tensor's largest value
+    kernel_sizes: Sequence = ((48, (2, 5)), (2048, (3, 67)), (2048, (3, 67), "bf16"))
     # the cost model's claims timed: these MODEL_TYPEs at the 1.3B width, a few layers, bf16, fused off and on,
     # eager and compiled, each against pre of the same setting (scripts/benchmark.py); None: skipped
     timing_types: Optional[Sequence[str]] = ("pre", "post_pre", "hybrid_pre", "hc", "mhc")
@@ -146,15 +147,18 @@ def run_check(s: CheckSettings, progress=lambda m: print(m, file=sys.stderr, flu
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     result["fused_sizes"] = []
-    for d, rows in s.kernel_sizes:
-        progress(f"the fused kernels (model.fused_streams) against their reference, d {d}, rows {rows}")
+    for d, rows, *kind in s.kernel_sizes:
+        bf16 = "bf16" in kind
+        progress(f"the fused kernels (model.fused_streams) against their reference, d {d}, rows {rows}"
+                 + (", bf16" if bf16 else ""))
         try:
             start = time.time()
             seen: list = []
-            bad = fused.check(device, d=d, rows=tuple(rows), seen=seen)
+            bad = fused.check(device, d=d, rows=tuple(rows), seen=seen,
+                              **({"dtype": torch.bfloat16, "tol": 3e-2} if bf16 else {}))
             entry = {"device": device, "kernels": "triton" if fused.available(torch.zeros(1, device=device))
                      else "torch", "mismatches": len(bad), "combinations": len(seen), "seconds": time.time() - start,
-                     "d": d, "rows": list(rows)}
+                     "d": d, "rows": list(rows), "dtype": "bf16" if bf16 else "fp64"}
             result["fused_sizes"].append(entry)
             result.setdefault("fused", entry)  # the first size, as earlier reports had it
             if bad:
@@ -230,7 +234,8 @@ def to_markdown(result: Dict, command: str) -> str:
                       + (f", peak {run['peak_gib']:.2f} GiB (memory model, FSDP over 1: "
                          f"{pf['memory_model_peak_gib']:.2f} GiB)" if run.get("peak_gib") else "")]
     for fz in result.get("fused_sizes") or ([result["fused"]] if result.get("fused") else []):
-        size = f", d {fz['d']}, rows {' x '.join(map(str, fz['rows']))}" if "d" in fz else ""
+        size = (f", d {fz['d']}, rows {' x '.join(map(str, fz['rows']))}, {fz.get('dtype', 'fp64')} inputs"
+                if "d" in fz else "")
         lines += ["", f"Fused ops (model.fused_streams) on {fz['device']}, {fz['kernels']} path{size}: "
                   f"{fz['mismatches']} of {fz['combinations']} flag combinations disagree with the reference, "
                   f"forward and backward ({fz['seconds']:.0f} s)."]

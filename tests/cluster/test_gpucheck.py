@@ -16,7 +16,7 @@ def test_gpu_check_on_the_cpu_with_the_tiny_recipe(tmp_path):
     report = tmp_path / "report.md"
     code = main(["--recipe", "configs/tiny-cpu.yaml", "--variants", "hybrid_pre", "--exact", "hybrid_pre",
                  "--steps", "4", "--global-batch", "0", "--timed-steps", "2", "--work", str(tmp_path / "work"),
-                 "--kernel-sizes", "48:2x5", "--timing-types", "pre", "--timing-args",
+                 "--kernel-sizes", "48:2x5", "48:2x5:bf16", "--timing-types", "pre", "--timing-args",
                  "--recipe configs/tiny-cpu.yaml --layers 2 --batch 2 --seq 32 --repeats 1 --steps-per-timing 1",
                  "--report", str(report)])
     result = json.loads(report.with_suffix(".json").read_text())
@@ -29,6 +29,8 @@ def test_gpu_check_on_the_cpu_with_the_tiny_recipe(tmp_path):
     assert gen["same_text"] and gen["checkpoint"]["stdout"].strip().startswith("It is a truth universally")
     assert result["preflight"]["timed_run"]["tokens_per_s"] > 0
     assert result["fused"]["mismatches"] == 0 and result["fused"]["combinations"] == 312
+    assert [(z["dtype"], z["mismatches"], z["combinations"]) for z in result["fused_sizes"]] == [
+        ("fp64", 0, 312), ("bf16", 0, 312)]
     text = report.read_text()
     assert "0 of 312 flag combinations disagree" in text
     assert "| hybrid_pre | 0, 0 | 4 | 0 | yes |" in text and "## Failures\n\nnone" in text
