@@ -457,6 +457,19 @@ class AttnResStreams(StackedStreams):
     first_sublayer: int = 0
     block_sublayers: int = 1
 
+    def build_attn_res(self, dim: int, new_norm: Callable[[], nn.Module], device=None) -> None:
+        """The pseudo-queries (zero) and key norms: one pair a sublayer (none for block 0's attention, which reads
+        the embedding alone), one more pair in the last block for the final aggregation; and ``n_streams``."""
+        self.n_streams = self.sources_received()
+        for prefix in (("ff",) if self.is_first else ("attn", "ff")) + (("out",) if self.is_last else ()):
+            setattr(self, prefix + "_query", nn.Parameter(torch.zeros(dim, device=device)))
+            setattr(self, prefix + "_key_norm", new_norm())
+
+    def zero_queries(self) -> None:
+        for name in ("attn_query", "ff_query", "out_query"):
+            if hasattr(self, name):
+                nn.init.zeros_(getattr(self, name))
+
     def sources_received(self) -> int:
         """How many (B, T, d) sources the state this block receives holds: its ``n_streams``, which the cost and
         memory models read as the block's input width (it grows with depth: 1 + 2l in Full AttnRes)."""

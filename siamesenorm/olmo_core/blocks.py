@@ -260,20 +260,10 @@ class AttnRes(AttnResStreams, CoreTopologyBlock):
         super().__init__(**kwargs)
         self.block_sublayers = attnres_block_sublayers(SimpleNamespace(**vars(self.knobs), n_layers=self.n_layers))
         self.first_sublayer = 2 * self.block_idx
-        self.n_streams = self.sources_received()
-        if not self.is_first:
-            self.attn_query = nn.Parameter(torch.zeros(self.d_model, device=self._init_device))
-            self.attn_key_norm = self.new_norm()
-        self.ff_query = nn.Parameter(torch.zeros(self.d_model, device=self._init_device))
-        self.ff_key_norm = self.new_norm()
-        if self.is_last:
-            self.out_query = nn.Parameter(torch.zeros(self.d_model, device=self._init_device))
-            self.out_key_norm = self.new_norm()
+        self.build_attn_res(self.d_model, self.new_norm, self._init_device)
 
     def scale_init(self) -> None:
-        for name in ("attn_query", "ff_query", "out_query"):
-            if hasattr(self, name):
-                nn.init.zeros_(getattr(self, name))
+        self.zero_queries()
 
     def forward(self, x, *, loss_div_factor=None, **kwargs):
         return self.attn_res_forward(x, self.sublayers(kwargs, loss_div_factor),

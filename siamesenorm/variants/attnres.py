@@ -64,22 +64,11 @@ class AttnResBlock(AttnResStreams, TopologyBlock):
         super().__init__(layer_id, config, cache)
         self.block_sublayers = attnres_block_sublayers(config)
         self.first_sublayer = 2 * layer_id
-        self.n_streams = self.sources_received()
-        device = config.init_device
-        if not self.is_first:  # the first sublayer reads the embedding alone: nothing to weigh
-            self.attn_query = nn.Parameter(torch.zeros(config.d_model, device=device))
-            self.attn_key_norm = self.new_norm()
-        self.ff_query = nn.Parameter(torch.zeros(config.d_model, device=device))
-        self.ff_key_norm = self.new_norm()
-        if self.is_last:
-            self.out_query = nn.Parameter(torch.zeros(config.d_model, device=device))
-            self.out_key_norm = self.new_norm()
+        self.build_attn_res(config.d_model, self.new_norm, config.init_device)
 
     def reset_parameters(self):
         super().reset_parameters()
-        for name in ("attn_query", "ff_query", "out_query"):
-            if hasattr(self, name):
-                nn.init.zeros_(getattr(self, name))
+        self.zero_queries()
 
     def update(self, x, attention, branches=None):
         return self.attn_res_forward(x, branches or (attention, self.mlp), (self.attn_norm, self.ff_norm), self.cheap)
