@@ -38,7 +38,6 @@ the last block aggregates them to (B, T, d) for OLMo's ``ln_f``.
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 
 from ..nn.topologies import AttnResStreams
 from ._base import TopologyBlock
