@@ -37,7 +37,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from siamesenorm.nn.loss import chunked_cross_entropy_loss
 from siamesenorm.run.console import eval_line, step_line
 from siamesenorm.run.lifecycle import NoSpace, no_space_in, run_record
-from siamesenorm.run.process import pin_cpu_threads
+from siamesenorm.run.process import allow_recompiles, pin_cpu_threads
 from siamesenorm.run.recipe import RunError, SiameseTrainConfig
 from siamesenorm.run.records import write_record
 from siamesenorm.run.stability import Diverged, StabilityMonitor
@@ -235,6 +235,7 @@ def compile_blocks(model: torch.nn.Module, options: Dict[str, Any]) -> int:
     """``torch.compile`` each transformer block in place with the config's ``compile:`` options (mode, fullgraph,
     backend, dynamic), as OLMo compiles per block; embedding, final norm and loss stay eager. Returns the count."""
     blocks = [m for m in model.modules() if isinstance(m, OLMoBlock)]
+    allow_recompiles(len(blocks))
     for block in blocks:
         block.compile(**{k: v for k, v in options.items() if v is not None})
     return len(blocks)

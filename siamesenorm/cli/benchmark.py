@@ -64,6 +64,9 @@ def main(argv=None) -> int:
                         "norms after it as one op each way; hybrid, hybrid_star, hybrid_pre: the Q/K/V head norms as "
                         "one op; siamesenorm/nn/fused.py) for the timing, --breakdown and --cost-model (default: the "
                         "recipe's)")
+    parser.add_argument("--precision", choices=["bf16", "fp32"], default=None,
+                        help="the timed steps' forward under bf16 autocast (as amp_bf16 trains) or in fp32 "
+                        "(default: on a GPU the recipe's precision, on a CPU fp32)")
     parser.add_argument("--gpus", type=int, default=8, help="--memory-model: GPUs the state is sharded over (8)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None,
                         help="--memory-model: with the chunked loss (the config's loss_chunk_tokens)")
@@ -152,7 +155,7 @@ def main(argv=None) -> int:
                              steps_per_timing=args.steps_per_timing, modes=args.modes,
                              group_size=args.group_size,
                              recompute=None if args.recompute is None else args.recompute == "on",
-                             fused=None if args.fused is None else args.fused == "on")
+                             fused=None if args.fused is None else args.fused == "on", precision=args.precision)
     if args.recompute_cost:
         for mt, r in recompute_cost(settings).items():
             print(f"{mt:15s} recompute on {r['on']:.3f}  off {r['off']:.3f}  (step time / pre's, recompute on)")
@@ -163,7 +166,7 @@ def main(argv=None) -> int:
     result = run(settings)
     s = result["settings"]
     print(f"{args.recipe}: {s['n_layers']} layers, d_model {s['d_model']}, vocabulary {s['vocab_size']}, {args.batch} x {args.seq} tokens a step, "
-          f"{s['device_name']}, {s['threads']} thread(s), torch {s['torch']}; ratios against pre of the same mode")
+          f"{s['device_name']}, {s['threads']} thread(s), torch {s['torch']}, autocast {s['autocast']}; ratios against pre of the same mode")
     print(to_markdown(result))
     if args.json:
         save(result, args.json)

@@ -29,10 +29,11 @@ from typing import Callable, Dict, List, Optional, Sequence
 import torch
 
 from siamesenorm.models.build import build_model
+from siamesenorm.run.process import allow_recompiles
 from siamesenorm.run.recipe import load_config
 from siamesenorm.variants._base import set_recompute
 
-__all__ = ["BenchSettings", "model_config", "activation_bytes", "activation_breakdown", "flops_per_token", "run",
+__all__ = ["BenchSettings", "autocast_dtype", "model_config", "activation_bytes", "activation_breakdown", "flops_per_token", "run",
            "to_markdown", "breakdown_markdown"]
 
 #: Dense bf16 peak FLOP/s by device name (the vendors' datasheets, without sparsity), for MFU.
@@ -56,6 +57,20 @@ class BenchSettings:
     seed: int = 0
     recompute: Optional[bool] = None  # model.recompute_cheap; None: the recipe's
     fused: Optional[bool] = None  # model.fused_streams; None: the recipe's
+    # "bf16" (autocast, as OLMo's amp_bf16 trains) or "fp32"; None: on a GPU the recipe's precision, on a CPU fp32
+    # (the CPU figures here were measured so, and a CPU trains the tiny recipes in fp32)
+    precision: Optional[str] = None
+
+
+def autocast_dtype(settings: BenchSettings) -> Optional[torch.dtype]:
+    """The dtype a timed step's forward autocasts to (None: none, fp32)."""
+    precision = settings.precision
+    if precision is None:
+        precision = "fp32" if settings.device == "cpu" else \
+            {"amp_bf16": "bf16"}.get(str(load_config(settings.recipe).precision), "fp32")
+    if precision not in ("bf16", "fp32"):
+        raise ValueError(f"precision {precision!r}: use bf16 or fp32")
+    return torch.bfloat16 if precision == "bf16" else None
 
 
 def model_config(settings: BenchSettings):
@@ -187,8 +202,9 @@ def flops_per_token(model: torch.nn.Module, ids: torch.Tensor) -> float:
     return counter.get_total_flops() / ids.numel()
 
 
-def step_loss(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
-    logits = model(ids).logits
+def step_loss(model: torch.nn.Module, ids: torch.Tensor, dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    with torch.autocast(ids.device.type, dtype=dtype, enabled=dtype is not None):
+        logits = model(ids).logits
     return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(),
                                              ids[:, 1:].reshape(-1))
 
@@ -210,9 +226,11 @@ class _Variant:
         self.model_type, self.mode = model_type, mode
         self.model = build_model(dataclasses.replace(cfg), model_type).train()
         if mode == "compiled":
+            allow_recompiles(len(self.model.transformer.blocks))
             for block in self.model.transformer.blocks:
                 block.compile(fullgraph=True)
         self.optim = torch.optim.AdamW(self.model.parameters(), lr=1e-4)
+        self.dtype = autocast_dtype(settings)
         self.ids = torch.randint(0, cfg.vocab_size, (settings.batch, settings.seq), device=settings.device)
         self.step()  # the first step compiles (compiled mode) and allocates the optimizer state
         self.timer = Timer(stmt="step()", globals={"step": self._steps(settings.steps_per_timing)})
@@ -220,7 +238,7 @@ class _Variant:
         self.settings = settings
 
     def step(self) -> None:
-        step_loss(self.model, self.ids).backward()
+        step_loss(self.model, self.ids, self.dtype).backward()
         self.optim.step()
         self.optim.zero_grad(set_to_none=True)
         if self.ids.is_cuda:
@@ -244,7 +262,7 @@ class _Variant:
                "step_s_median": statistics.median(self.times), "step_s_min": min(self.times),
                "step_s_max": max(self.times), "repeats": len(self.times),
                "tokens_per_s": s.batch * s.seq / statistics.median(self.times),
-               "activation_bytes": activation_bytes(self.model, lambda: step_loss(self.model, self.ids)),
+               "activation_bytes": activation_bytes(self.model, lambda: step_loss(self.model, self.ids, self.dtype)),
                "flops_per_token": flops_per_token(self.model, self.ids) if self.mode == "eager" else None}
         if self.ids.is_cuda:
             torch.cuda.reset_peak_memory_stats()
@@ -296,7 +314,8 @@ def run(settings: BenchSettings, progress: Callable[[str], None] = lambda m: pri
             if peak and fpt:
                 r["mfu"] = fpt * r["tokens_per_s"] / peak
     return {"settings": {**dataclasses.asdict(settings), "model_types": types, "n_layers": cfg.n_layers,
-                         "d_model": cfg.d_model, "vocab_size": cfg.vocab_size, "torch": torch.__version__, "threads": torch.get_num_threads(),
+                         "d_model": cfg.d_model, "vocab_size": cfg.vocab_size,
+                         "autocast": str(autocast_dtype(settings) or "none").replace("torch.", ""), "torch": torch.__version__, "threads": torch.get_num_threads(),
                          "device_name": torch.cuda.get_device_name() if settings.device == "cuda" else "cpu"},
             "rows": rows}
 

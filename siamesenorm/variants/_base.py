@@ -50,7 +50,11 @@ def recompute_call(fn: Callable, *args: torch.Tensor):
 
 
 def _recomputed_pre_norm(block: OLMoSequentialBlock, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    forward = type(norm).forward.__get__(norm)
+    # the class's forward called with the norm, not bound with ``__get__``: dynamo in torch 2.11 cannot trace
+    # ``function.__get__`` (a compiled pre with fused off failed so on an H200), 2.13 can
+    def forward(t: torch.Tensor) -> torch.Tensor:
+        return type(norm).forward(norm, t)
+
     if block._activation_checkpoint_fn is not None:  # OLMo's own checkpointing already wraps the norm
         return forward(x)
     return recompute_call(forward, x)

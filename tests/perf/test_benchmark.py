@@ -126,3 +126,56 @@ def test_pre_built_by_olmos_own_factory_follows_the_field():
         assert type(block).__name__ == "OLMoSequentialBlock"
         assert ("forward" in block.attn_norm.__dict__) is on and ("forward" in block.ff_norm.__dict__) is on
         assert not any("forward" in k for k in model.state_dict())
+
+
+class _Flagged(torch.nn.Module):
+    """One forward code object that dynamo specialises on an attribute, as it does each variant's blocks."""
+
+    def __init__(self, flag: int):
+        super().__init__()
+        self.flag = flag
+
+    def forward(self, x):
+        return x * self.flag if self.flag % 2 else x + self.flag
+
+
+def test_allow_recompiles_lets_every_compiled_block_specialise_under_fullgraph():
+    import torch._dynamo
+
+    from siamesenorm.run.process import allow_recompiles
+
+    x = torch.ones(3)
+    torch._dynamo.reset()
+    saved = torch._dynamo.config.recompile_limit
+    try:
+        torch._dynamo.config.recompile_limit = 8
+        modules = [_Flagged(i) for i in range(12)]
+        with pytest.raises(torch._dynamo.exc.FailOnRecompileLimitHit):  # the ninth specialisation, without the raise
+            for m in modules:
+                torch.compile(m, fullgraph=True, backend="eager")(x)
+        torch._dynamo.reset()
+        assert allow_recompiles(len(modules)) >= 8 + 2 * len(modules)
+        outs = [torch.compile(m, fullgraph=True, backend="eager")(x) for m in modules]
+        assert [float(o[0]) for o in outs] == [float(i if i % 2 else 1 + i) for i in range(12)]
+    finally:
+        torch._dynamo.config.recompile_limit = saved
+        torch._dynamo.reset()
+
+
+def test_precision_follows_the_recipe_on_a_gpu_and_is_fp32_on_a_cpu_unless_asked():
+    from siamesenorm.perf.benchmark import autocast_dtype, step_loss
+
+    assert autocast_dtype(BenchSettings(device="cpu")) is None
+    assert autocast_dtype(BenchSettings(device="cpu", precision="bf16")) is torch.bfloat16
+    assert autocast_dtype(BenchSettings(recipe="configs/OLMo-1B-2e-3.yaml", device="cuda")) is torch.bfloat16  # amp_bf16
+    assert autocast_dtype(BenchSettings(recipe="configs/tiny-cpu.yaml", device="cuda")) is None  # fp32 recipe
+    with pytest.raises(ValueError, match="bf16 or fp32"):
+        autocast_dtype(BenchSettings(device="cpu", precision="fp16"))
+    model = build_model(tiny_config(), "hybrid_pre").train()
+    ids = torch.randint(0, 50, (1, 8))
+    seen = []
+    linear = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_hook(lambda module, args, out: seen.append(out.dtype))
+    for dtype in (None, torch.bfloat16):
+        step_loss(model, ids, dtype).backward()
+    assert seen == [torch.float32, torch.bfloat16]  # the timed step's matmuls run in the precision asked for

@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# The GPU check's cost-model half, for a lease of minutes (one GPU, torch, no package index), in the order a
+# 15-minute lease showed fits (about 9 minutes on an H200, its start not counted): the step times of pre, post_pre,
+# hybrid_pre, hc and mhc at the 1.3B width (4 layers, batch 4 x 2048, bf16 autocast as the recipe trains), eager,
+# fused on then off; the fused kernels against their references at the recipes' width in bf16; the same five
+# compiled, fused on (scripts/benchmark.py; siamesenorm.nn.fused.check). Each stage has its own time limit and
+# writes into OUTDIR as it ends, so a lease cut short still returns the stages that finished. The training half
+# (the seed variants under torchrun, resume, export) is scripts/gpu_check.sh.
+#
+#   bash scripts/gpu_quick_check.sh [WHEELHOUSE] [OUTDIR]    # defaults: wheelhouse/, results/gpu/quick
+#
+# Stage limits (seconds) by environment: T_EAGER (each eager timing, 120), T_KERNELS (110), T_COMPILED (260).
+set -uo pipefail
+if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
+    sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'
+    exit 0
+fi
+cd "$(dirname "$0")/.."
+WHEELS="${1:-wheelhouse}"
+DIR="${2:-results/gpu/quick}"
+PY="${PYTHON:-python3}"
+mkdir -p "$DIR"
+ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "error: no wheels in $WHEELS: fill it with bash scripts/gpu_wheelhouse.sh --slim on a machine with PyPI" >&2; exit 2; }
+SITE="$(mktemp -d "${TMPDIR:-/tmp}/siamesenorm-site.XXXXXXXX")"
+trap 'rm -rf "$SITE"' EXIT
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 2
+export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+{ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  "$PY" -c "import torch, numpy, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'numpy', numpy.__version__, 'triton', triton.__version__)"
+} > "$DIR/environment.txt" 2>&1
+cat "$DIR/environment.txt"
+ARGS=(--recipe configs/OLMo-1B-2e-3.yaml --layers 4 --batch 4 --seq 2048 --repeats 5 --steps-per-timing 2
+      --model-types pre post_pre hybrid_pre hc mhc)
+stage() {  # stage NAME LIMIT COMMAND...: its output to NAME.log, its exit code and seconds to stages.txt
+    local name=$1 limit=$2 start=$SECONDS; shift 2
+    echo "== $name (limit ${limit} s): $*"
+    timeout -k 10 "$limit" "$@" > "$DIR/$name.log" 2>&1
+    local code=$?
+    echo "$name exit $code after $((SECONDS - start)) s" | tee -a "$DIR/stages.txt"
+    tail -n 12 "$DIR/$name.log"
+}
+for fused in on off; do
+    stage "eager-fused-$fused" "${T_EAGER:-120}" "$PY" scripts/benchmark.py "${ARGS[@]}" --modes eager \
+        --fused "$fused" --json "$DIR/eager-fused-$fused.json"
+done
+stage kernels "${T_KERNELS:-110}" "$PY" - "$DIR/kernels.json" <<'EOF'
+import json, sys, time
+import torch
+from siamesenorm.nn import fused
+out, results = sys.argv[1], []
+for d, rows, dtype, tol in ((2048, (3, 67), torch.bfloat16, 3e-2), (2048, (3, 67), torch.float64, 2e-5)):
+    start, seen = time.time(), []
+    bad = fused.check("cuda", d=d, rows=rows, seen=seen, dtype=dtype, tol=tol)
+    kernels = "triton" if fused.available(torch.zeros(1, device="cuda")) else "torch"
+    results.append({"d": d, "rows": list(rows), "dtype": str(dtype), "tol": tol, "kernels": kernels,
+                    "combinations": len(seen), "mismatches": [str(b) for b in bad[:5]], "n_mismatches": len(bad),
+                    "seconds": round(time.time() - start, 1)})
+    print(results[-1], flush=True)
+    with open(out, "w") as f:
+        json.dump(results, f, indent=1)
+EOF
+stage compiled-fused-on "${T_COMPILED:-260}" "$PY" scripts/benchmark.py "${ARGS[@]}" --modes compiled --fused on \
+    --json "$DIR/compiled-fused-on.json"
