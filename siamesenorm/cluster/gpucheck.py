@@ -171,8 +171,9 @@ def run_check(s: CheckSettings, progress=lambda m: print(m, file=sys.stderr, flu
         for fused_on in ("off", "on"):
             progress(f"timing {', '.join(s.timing_types)}, fused {fused_on}, eager and compiled")
             out = work / f"timing-fused-{fused_on}.json"
-            r = _run_tool(["scripts/benchmark.py", *s.timing_args, "--model-types", *s.timing_types, "--fused",
-                           fused_on, "--modes", "eager", "compiled", "--json", str(out)], timeout=s.timeout_s)
+            r = _run_tool(["scripts/benchmark.py", "--modes", "eager", "compiled", *s.timing_args,  # theirs win
+                           "--model-types", *s.timing_types, "--fused", fused_on, "--json", str(out)],
+                          timeout=s.timeout_s)
             timing[fused_on] = {"code": r["code"], "table": r["stdout"][-4000:]}
             if r["code"] != 0:
                 result["failures"].append(f"timing, fused {fused_on}: exit {r['code']}: "

@@ -165,7 +165,8 @@ SAME_START_TOLERANCE = 1e-4
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["pre", "hybrid_pre", "post_pre", "prores"])
+@pytest.mark.parametrize("model_type", ["pre", "hybrid_pre", "prores"])  # post_pre: 4.9e-7 when it ran here; its
+# adapter's logits and gradients equal ai2-olmo's in tests/olmo_core/test_olmo_core.py
 def test_both_paths_from_the_same_weights_and_batches_train_the_same_losses(tmp_path, austen_prepared, model_type):
     """ai2-olmo trains 20 steps from its step-0 checkpoint; OLMo-core starts from that checkpoint (--load_path) and
     trains 20 steps with its own Trainer; each from the recipe as written (schedule, init, clipping, weight decay),
