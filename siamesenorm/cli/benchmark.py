@@ -135,6 +135,9 @@ def main(argv=None) -> int:
                   f"matmul at {costmodel.MATMUL_EFFICIENCY:.0%} of peak + bytes at "
                   f"{costmodel.BANDWIDTH_EFFICIENCY:.0%} of HBM bandwidth")
             print(costmodel.to_markdown(result, mode))
+        print(f"\nWhere one eager layer moves more than pre's (forward + backward, by op; a pass is one read or write "
+              f"of a {result['microbatch']} x {result['seq_len']} x {model_cfg.d_model} bf16 tensor):")
+        print(costmodel.above_pre_markdown(result))
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
             print(f"wrote {args.json}")

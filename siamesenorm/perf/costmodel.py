@@ -48,7 +48,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from siamesenorm.models.build import build_model
 from siamesenorm.nn.loss import chunked_cross_entropy_loss
 
-__all__ = ["DEVICES", "MATMUL_EFFICIENCY", "BANDWIDTH_EFFICIENCY", "Cost", "count", "step_cost", "estimate_seconds",
+__all__ = ["DEVICES", "MATMUL_EFFICIENCY", "BANDWIDTH_EFFICIENCY", "Cost", "count", "step_cost", "bytes_above", "above_pre_markdown", "estimate_seconds",
            "total", "table", "to_markdown", "compiled_layer_cost", "with_compiled_blocks", "product_excess"]
 
 #: bf16 dense matmul peak (TFLOP/s) and HBM bandwidth (GB/s) from the vendors' data sheets (SXM parts).
@@ -203,7 +203,19 @@ def step_cost(model_cfg, model_type: str, microbatch: int, seq_len: Optional[int
     except OLMoConfigurationError:  # no 3- or 2-layer model of this config (Block AttnRes: N blocks need N | layers)
         layer = {k: v.scaled(1.0 / n) for k, v in full.items()}
         return {"step": {k: v.summary() for k, v in full.items()}, "layer": {k: v.summary() for k, v in layer.items()},
-                "by_op": {k: v.by_op for k, v in full.items()}, "layer_is_average": True}
+                "by_op": {k: v.by_op for k, v in full.items()},
+                "layer_by_op": {k: _by_op_difference(v.by_op, {}, 1.0 / n) for k, v in full.items()},
+                "layer_is_average": True}
+
+
+def _by_op_difference(a: Dict[str, list], b: Dict[str, list], scale: float = 1.0) -> Dict[str, list]:
+    """{op: [kernels, bytes, flops]} of ``a`` less ``b``, times ``scale``; ops that cancel are left out."""
+    out = {}
+    for op in sorted(set(a) | set(b)):
+        row = [(x - y) * scale for x, y in zip(a.get(op, [0, 0, 0]), b.get(op, [0, 0, 0]))]
+        if any(row):
+            out[op] = row
+    return out
 
 
 def _with_layer(full, model_cfg, model_type, n, microbatch, seq_len, autocast) -> Dict[str, Dict]:
@@ -211,13 +223,34 @@ def _with_layer(full, model_cfg, model_type, n, microbatch, seq_len, autocast) -
         three = full if n == 3 else _fake_count(model_cfg, model_type, 3, microbatch, seq_len, autocast)
         two = _fake_count(model_cfg, model_type, 2, microbatch, seq_len, autocast)
         layer = {k: three[k] - two[k] for k in full}
+        layer_by_op = {k: _by_op_difference(three[k].by_op, two[k].by_op) for k in full}
     elif n == 2:
         one = _fake_count(model_cfg, model_type, 1, microbatch, seq_len, autocast)
         layer = {k: full[k] - one[k] for k in full}
+        layer_by_op = {k: _by_op_difference(full[k].by_op, one[k].by_op) for k in full}
     else:
         layer = full
+        layer_by_op = {k: _by_op_difference(full[k].by_op, {}) for k in full}
     return {"step": {k: v.summary() for k, v in full.items()}, "layer": {k: v.summary() for k, v in layer.items()},
-            "by_op": {k: v.by_op for k, v in full.items()}}
+            "by_op": {k: v.by_op for k, v in full.items()}, "layer_by_op": layer_by_op}
+
+
+def bytes_above(layer_by_op: Dict[str, Dict[str, list]], base_by_op: Dict[str, Dict[str, list]],
+                pass_bytes: int) -> Dict:
+    """Where one eager layer of a variant moves more bytes than a layer of the base (pre): per op, forward and
+    backward summed, the extra bytes and kernels, largest first, and each in ``pass_bytes`` units (one read or write
+    of a (B, T, d) tensor in bf16: the unit the floor is stated in). Ops the base moves more of come out negative."""
+    ops: Dict[str, list] = {}
+    for phase in ("forward", "backward"):
+        for op, (kernels, nbytes, _) in _by_op_difference(layer_by_op.get(phase, {}),
+                                                          base_by_op.get(phase, {})).items():
+            row = ops.setdefault(op, [0, 0])
+            row[0] += kernels
+            row[1] += nbytes
+    rows = sorted(({"op": op, "kernels": k, "bytes": b, "passes": b / pass_bytes} for op, (k, b) in ops.items()
+                   if b or k), key=lambda r: -abs(r["bytes"]))
+    extra = sum(r["bytes"] for r in rows)
+    return {"bytes": extra, "passes": extra / pass_bytes, "kernels": sum(r["kernels"] for r in rows), "ops": rows}
 
 
 def with_compiled_blocks(eager: Dict, compiled_layer: Dict[str, Dict[str, int]], n_layers: int) -> Dict:
@@ -287,6 +320,9 @@ def table(model_cfg, model_types, microbatch: int, seq_len: Optional[int] = None
                 "layer_kernels_ratio": layer["kernels"] / total(base["layer"])["kernels"],
                 "time_ratio": {d: estimate_seconds(step, d) / estimate_seconds(total(base["step"]), d)
                                for d in DEVICES}}
+        pass_bytes = microbatch * (seq_len or model_cfg.max_sequence_length) * model_cfg.d_model * 2
+        rows[mt]["eager"]["above_pre"] = bytes_above(by_mode["eager"]["layer_by_op"],
+                                                     costs["pre"]["eager"]["layer_by_op"], pass_bytes)
     return {"microbatch": microbatch, "seq_len": seq_len or model_cfg.max_sequence_length,
             "precision": str(autocast) if autocast is not None else "fp32", "n_layers": model_cfg.n_layers,
             "d_model": model_cfg.d_model, "recompute": bool(model_cfg.recompute_cheap),
@@ -533,4 +569,18 @@ def memory_markdown(result: Dict, devices=("a100-40gb", "a100-80gb", "h100-80gb"
         lines.append(f"| {mt} | {on['activations']:.1f} / {off['activations']:.1f} | {on['peak']:.1f} / "
                      f"{off['peak']:.1f} | {where(on['peak'])} | {where(off['peak'])} | "
                      f"{on['peak_checkpointed']:.1f} | {where(on['peak_checkpointed'])} |")
+    return "\n".join(lines)
+
+
+def above_pre_markdown(result: Dict, top: int = 6) -> str:
+    """Per MODEL_TYPE, what one eager layer moves beyond pre's (bytes_above), its largest ops."""
+    lines = ["| MODEL_TYPE | layer GB above pre | as (B, T, d) bf16 passes | kernels above pre | largest ops (GB, passes) |",
+             "| --- | ---: | ---: | ---: | --- |"]
+    for mt, by_mode in result["rows"].items():
+        above = by_mode["eager"].get("above_pre")
+        if mt == "pre" or above is None:
+            continue
+        ops = ", ".join(f"{r['op']} {r['bytes'] / 1e9:+.2f} ({r['passes']:+.0f})" for r in above["ops"][:top])
+        lines.append(f"| {mt} | {above['bytes'] / 1e9:+.2f} | {above['passes']:+.1f} | {above['kernels']:+.0f} | "
+                     f"{ops} |")
     return "\n".join(lines)

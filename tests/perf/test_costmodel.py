@@ -168,3 +168,22 @@ def test_memory_model_parts_at_the_13b_recipe():
     assert on["peak"] == pytest.approx(on["state"] + on["gathered"] + on["loss_backward"] + on["activations"])
     assert on["peak"] - chunked["peak"] > 3.1
     assert costmodel.fits(on["peak"], "a100-80gb") and not costmodel.fits(on["peak"], "a100-40gb")
+
+
+def test_bytes_above_pre_are_the_layer_difference_split_by_op():
+    cfg = tiny_config(n_layers=3)
+    result = costmodel.table(cfg, ["pre", "hybrid_pre", "hc"], microbatch=2, seq_len=16)
+    pass_bytes = 2 * 16 * cfg.d_model * 2
+    pre_layer = costmodel.total(result["rows"]["pre"]["eager"]["layer"])
+    for mt in ("hybrid_pre", "hc"):
+        above = result["rows"][mt]["eager"]["above_pre"]
+        layer = costmodel.total(result["rows"][mt]["eager"]["layer"])
+        # the ops' shares add up to the layer totals' difference, bytes and kernels
+        assert sum(r["bytes"] for r in above["ops"]) == above["bytes"] == layer["bytes"] - pre_layer["bytes"]
+        assert above["kernels"] == layer["kernels"] - pre_layer["kernels"]
+        assert above["bytes"] > 0 and above["passes"] == above["bytes"] / pass_bytes
+        assert [abs(r["bytes"]) for r in above["ops"]] == sorted((abs(r["bytes"]) for r in above["ops"]), reverse=True)
+    assert result["rows"]["pre"]["eager"]["above_pre"] == {"bytes": 0, "passes": 0.0, "kernels": 0, "ops": []}
+    assert {r["op"] for r in result["rows"]["hc"]["eager"]["above_pre"]["ops"]} & {"mm", "bmm"}  # its coefficients
+    text = costmodel.above_pre_markdown(result)
+    assert "| hybrid_pre |" in text and "| pre |" not in text
