@@ -36,6 +36,7 @@ import math
 import os
 import shutil
 import signal
+import threading
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterator, List, Optional
 
@@ -84,6 +85,22 @@ def raise_on_sigterm() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def _signals_held() -> Iterator[None]:
+    """SIGTERM and SIGINT ignored while inside, in the main thread: a run already ending writes its record whole
+    even when a second signal arrives (a launcher forwarding the SIGTERM its worker also got from its own parent's
+    death, seen as a "running" record under load); the process ends right after anyway."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 class NoSpace(RunError):
@@ -267,7 +284,8 @@ def train_to_the_end(fit: Callable[[], None], save_record: Callable[..., None], 
     except BaseException as err:  # an error, an interrupt or a signal: the record says the run ended early
         full = err if isinstance(err, NoSpace) else no_space_in(err)
         if full is None:
-            save_record("stopped", error=f"{type(err).__name__}: {err}"[:500])
+            with _signals_held():
+                save_record("stopped", error=f"{type(err).__name__}: {err}"[:500])
             raise
         folder = Path(record_path).parent
         message = str(err) if isinstance(err, NoSpace) else (
@@ -277,7 +295,8 @@ def train_to_the_end(fit: Callable[[], None], save_record: Callable[..., None], 
             for partial in folder.glob("step*-tmp"):  # the half-written checkpoint: the last good one resumes
                 shutil.rmtree(partial, ignore_errors=True)
         try:
-            save_record("stopped", error=message[:500])
+            with _signals_held():
+                save_record("stopped", error=message[:500])
         except OSError:  # the record cannot be written either; the line below still says what happened
             pass
         raise RunError(message) from None
