@@ -17,12 +17,7 @@ cd "$(dirname "$0")/.."
 WHEELS="${1:-wheelhouse}"
 REPORT="${2:-results/gpu/report.md}"
 PY="${PYTHON:-python3}"
-ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "error: no wheels in $WHEELS: fill it with bash scripts/gpu_wheelhouse.sh on a machine with PyPI" >&2; exit 2; }
 "$PY" -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 'error: torch sees no CUDA GPU here')"
-# A fresh private folder for the wheels' packages (mktemp: mode 0700, a name no other user can guess or plant a
-# sitecustomize.py in beforehand), removed when the check ends however it ends.
-SITE="$(mktemp -d "${TMPDIR:-/tmp}/siamesenorm-site.XXXXXXXX")"
-trap 'rm -rf "$SITE"' EXIT
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl
-export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"  # this checkout's code first, the wheels' packages next
+source scripts/gpu_site.sh
+install_wheels "$WHEELS"
 "$PY" scripts/gpu_check.py --report "$REPORT"

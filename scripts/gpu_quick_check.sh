@@ -20,11 +20,9 @@ WHEELS="${1:-wheelhouse}"
 DIR="${2:-results/gpu/quick}"
 PY="${PYTHON:-python3}"
 mkdir -p "$DIR"
-ls "$WHEELS"/*.whl >/dev/null 2>&1 || { echo "error: no wheels in $WHEELS: fill it with bash scripts/gpu_wheelhouse.sh --slim on a machine with PyPI" >&2; exit 2; }
-SITE="$(mktemp -d "${TMPDIR:-/tmp}/siamesenorm-site.XXXXXXXX")"
-trap 'rm -rf "$SITE"' EXIT
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" "$WHEELS"/*.whl || exit 2
-export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+source scripts/gpu_site.sh
+install_wheels "$WHEELS"
+export PYTHONUNBUFFERED=1
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
   "$PY" -c "import torch, numpy, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'numpy', numpy.__version__, 'triton', triton.__version__)"
 } > "$DIR/environment.txt" 2>&1
