@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import sys
 from pathlib import Path
@@ -29,11 +30,11 @@ _MODEL_TYPE_RULE = ("MODEL_TYPE picks the block: the environment variable MODEL_
                     "model.model_type, else pre.")
 
 
-def _refuse(problem) -> None:
+def _refuse(problem, leave=sys.exit) -> None:
     """One line on standard error and exit 2; under torchrun every rank sees the same problem, so rank 0 says it."""
     if os.environ.get("RANK", "0") == "0":
         print(f"error: {problem}", file=sys.stderr)
-    sys.exit(2)
+    leave(2)
 
 
 def _refuse_unknown_keys(config: str, overrides) -> None:
@@ -85,9 +86,10 @@ Examples:
     _train_to_exit(start)
 
 
-def _train_to_exit(start, refusals: tuple = ()) -> None:
+def _train_to_exit(start, refusals: tuple = (), leave=sys.exit) -> None:
     """How both training commands end (siamesenorm/run/lifecycle.py's table): the run's exit status; a refusal,
-    a read-only folder or a full disk as one line and exit 2; a signal as one line and 128 + its number."""
+    a read-only folder or a full disk as one line and exit 2; a signal as one line and 128 + its number.
+    ``leave(code)`` ends the process once the run is settled (``_leave_now`` for the OLMo-core path)."""
     from siamesenorm.run.checkpoints import UnsafeCheckpoint
     from siamesenorm.run.lifecycle import Terminated
     from siamesenorm.run.safeload import refusal_inside
@@ -95,23 +97,39 @@ def _train_to_exit(start, refusals: tuple = ()) -> None:
     try:
         code = start()
     except (_config_error(), UnsafeCheckpoint, *refusals) as e:
-        _refuse(e)
+        _refuse(e, leave)
     except Terminated as e:  # preemption: the record says stopped; the same command resumes
         print(f"stopped: {e}; rerun the same command to resume from the latest checkpoint", file=sys.stderr)
-        sys.exit(128 + e.signum)
+        leave(128 + e.signum)
     except KeyboardInterrupt:  # Ctrl-C: the record says stopped; one line, not a traceback
         print("stopped: interrupted (Ctrl-C); rerun the same command to resume from the latest checkpoint",
               file=sys.stderr)
-        sys.exit(130)
+        leave(130)
     except PermissionError as e:  # a read-only save folder (or a file in it)
         _refuse(f"cannot write {e.filename or 'the run folder'} ({e.strerror}): make the save folder writable, or "
-                "pass another --save_folder")
+                "pass another --save_folder", leave)
     except BaseException as e:  # torch.distributed.checkpoint wraps a refused item in a CheckpointException
         refused = refusal_inside(e)
         if refused is None:
             raise
-        _refuse(refused)
-    sys.exit(code)
+        _refuse(refused, leave)
+    leave(code)
+
+
+def _leave_now(code: int) -> None:
+    """End an OLMo-core training process whose run is settled (record written, process group destroyed, nothing
+    left to run) without Python's finalization: flush, then ``os._exit``. Under torchrun a two-process FSDP run
+    stopped before its data ends (``--stop_at``) aborted there now and then after all its work ("terminate called
+    without an active exception", SIGABRT with no Python frame left; 3 of about 20 such runs on a 2-core machine,
+    torch 2.13): a C++ object torn down with the interpreter. The exit status says how the run ended, not how the
+    runtime unwound; OLMo-core's loaders' worker processes notice their parent is gone and end."""
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a closed or broken stream: nothing more can be said on it
+            pass
+    os._exit(code)
 
 
 def olmo_core_train_main(argv=None) -> None:
@@ -146,7 +164,8 @@ Examples:
     except ImportError as e:
         _refuse(e)
 
-    _train_to_exit(lambda: main(args.config, overrides), (CoreConfigError, FileNotFoundError, ValueError))
+    _train_to_exit(lambda: main(args.config, overrides), (CoreConfigError, FileNotFoundError, ValueError),
+                   leave=_leave_now)
 
 
 def prepare_data_main(argv=None) -> None:

@@ -264,8 +264,12 @@ def build_components(cfg, world_size: int = 1):
         tokenizer=TokenizerConfig(vocab_size=model.vocab_size, eos_token_id=model.eos_token_id,
                                   pad_token_id=model.pad_token_id),
         dtype=str(cfg.data.memmap_dtype))
+    # num_threads=0: instances are read by the loader itself (or its worker processes), never by OLMo-core's
+    # default four daemon threads: a run that stops before its data ends (stop_at, SIGTERM, a divergence) would
+    # leave them reading, and Python kills a daemon thread inside torch's C++ at exit with std::terminate (SIGABRT,
+    # "terminate called without an active exception"): a finished run reported as a crash. Same batches either way.
     loader = NumpyDataLoaderConfig(global_batch_size=cfg.global_train_batch_size * seq, seed=cfg.seed,
-                                   num_workers=cfg.data.num_workers or 0)
+                                   num_workers=cfg.data.num_workers or 0, num_threads=0)
     opt = cfg.optimizer
     no_decay = no_decay_names(model_config.build(init_device="meta"), cfg)
     optim = AdamWConfig(lr=opt.learning_rate, weight_decay=opt.weight_decay, betas=tuple(opt.betas), eps=opt.eps,

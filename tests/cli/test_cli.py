@@ -326,3 +326,38 @@ def test_the_front_door_lists_commands_and_refuses_an_unknown_one_in_one_line():
     typo = subprocess.run([sys.executable, "-m", "siamesenorm", "trian"], cwd=ROOT, capture_output=True, text=True,
                           timeout=60)
     assert typo.returncode == 2 and typo.stderr.count("\n") == 1 and "did you mean train?" in typo.stderr
+
+
+_TORN_DOWN_WITH_THE_INTERPRETER = """
+import logging, sys, threading, time
+import numpy as np, torch
+from siamesenorm.cli.commands import _leave_now, _train_to_exit
+
+tokens = np.arange(1 << 16, dtype=np.uint16)
+def read():  # a thread still inside torch's C++ when the interpreter ends: what Python tears down badly
+    while True:
+        torch.tensor(tokens.astype(np.int64)).sum()
+for _ in range(4):
+    threading.Thread(target=read, daemon=True).start()
+time.sleep(0.05)
+logging.basicConfig(stream=sys.stderr, level=logging.INFO)
+logging.getLogger("run").info("final training loss: 7.5872")
+print("record written", flush=False)
+_train_to_exit(lambda: int(sys.argv[2]), leave={"sys.exit": sys.exit, "_leave_now": _leave_now}[sys.argv[1]])
+"""
+
+
+def test_an_olmo_core_run_ends_with_its_own_exit_status_whatever_the_interpreter_tears_down():
+    """The OLMo-core command leaves through ``_leave_now``: with a C++ thread still running (here a daemon thread
+    inside torch; under torchrun, what aborted two-process runs stopped early), Python's own exit aborts (SIGABRT,
+    "terminate called without an active exception"); ours exits with the run's status, its last lines flushed."""
+    def end(leave, code):
+        return subprocess.run([sys.executable, "-c", _TORN_DOWN_WITH_THE_INTERPRETER, leave, str(code)], cwd=ROOT,
+                              capture_output=True, text=True, timeout=120, env=dict(os.environ, OMP_NUM_THREADS="1"))
+
+    plain = [end("sys.exit", 0) for _ in range(2)]
+    assert any(p.returncode == -6 for p in plain), [(p.returncode, p.stderr[-300:]) for p in plain]  # the hazard
+    for code in (0, 143):  # finished; stopped by SIGTERM
+        ours = end("_leave_now", code)
+        assert ours.returncode == code, ours.stderr[-1000:]
+        assert "record written" in ours.stdout and "final training loss: 7.5872" in ours.stderr

@@ -330,3 +330,37 @@ def test_a_scheduler_the_olmo_core_path_does_not_map_is_one_line():
     cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), ["--scheduler.name=linear_with_warmup"])
     with pytest.raises(RunError, match="maps cosine_with_warmup in steps only"):
         scheduler_config(cfg)
+
+
+def test_the_loader_reads_in_its_own_thread_and_gives_the_batches_olmo_cores_threads_give(tmp_path, austen_prepared):
+    """OLMo-core's loader, left to itself without worker processes, reads through four daemon threads; a run that
+    stops before its data ends leaves them reading, and Python kills a daemon thread inside torch's C++ at exit with
+    std::terminate (SIGABRT after a run that had finished its work). Ours starts no thread and yields the same batches."""
+    import dataclasses
+    import threading
+
+    from siamesenorm.olmo_core.train import build_components
+    from siamesenorm.run.recipe import load_config
+
+    cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"), [f"--save_folder={tmp_path / 'run'}"])
+    _, _, data_config, loader_config, _ = build_components(cfg)
+    dataset = data_config.build()
+
+    def first_batches(config, n=3):
+        loader = config.build(dataset, dp_process_group=None)
+        loader.reshuffle(epoch=1)
+        before = set(threading.enumerate())
+        batches = []
+        for batch in loader:
+            batches.append(batch["input_ids"].clone())
+            if len(batches) == n:
+                break
+        started = [t.name for t in threading.enumerate() if t not in before and t.is_alive()]
+        loader.reset()
+        return batches, started
+
+    ours, started = first_batches(loader_config)
+    assert started == []
+    theirs, their_threads = first_batches(dataclasses.replace(loader_config, num_threads=None))
+    assert len(their_threads) == 4  # OLMo-core's default: what this test guards against
+    assert len(ours) == 3 and all(torch.equal(a, b) for a, b in zip(ours, theirs))
