@@ -134,7 +134,7 @@ if triton is not None:
                          dxa_stride, dy1_stride, rows, d, scale, eps, HAS_X: tl.constexpr, HAS_O: tl.constexpr,
                          X_NORM: tl.constexpr, HAS_WX: tl.constexpr, HAS_WY: tl.constexpr, HAS_G: tl.constexpr,
                          IN_NORM: tl.constexpr, HAS_WIN: tl.constexpr, HAS_H: tl.constexpr,
-                         ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_DY1: tl.constexpr, HAS_DXA: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < d
@@ -150,11 +150,14 @@ if triton is not None:
         for i in range(ROWS_PER_PROGRAM):
             row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
             m = mask & (row < rows)
-            dy1 = tl.load(DY1 + row * dy1_stride + cols, mask=m, other=0.0).to(tl.float32)
+            dy1 = zero  # no gradient of Y1 arrives where Y passes through (no O): none read, none materialised
+            if HAS_DY1:
+                dy1 = tl.load(DY1 + row * dy1_stride + cols, mask=m, other=0.0).to(tl.float32)
             dxa = zero
             xa = zero
             if HAS_X:
-                dxa = tl.load(DXA + row * dxa_stride + cols, mask=m, other=0.0).to(tl.float32)
+                if HAS_DXA:  # none where X passed through: as dY1
+                    dxa = tl.load(DXA + row * dxa_stride + cols, mask=m, other=0.0).to(tl.float32)
                 xs = zero
                 if X_NORM or HAS_H:  # X1 with LN^X, else XA; the end-of-block add needs neither stream
                     xs = tl.load(XS + row * xs_stride + cols, mask=m, other=0.0).to(tl.float32)
@@ -271,11 +274,14 @@ def _norm_backward_torch(u, w, grad, eps):
     return r * (g - u_hat * (g * u_hat).mean(-1, keepdim=True)), u_hat
 
 
-def _torch_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps):
+def _torch_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps, has_dy1=True,
+                    has_dxa=True):
     """The kernel's backward in plain torch, written out (not autograd): tested against autograd of ``reference``."""
     wx, wy, gm, win = (w.float() if w is not None else None for w in weights)
-    dy1 = dy1.float().clone()  # an op's outputs may not alias its inputs
-    dxa = dxa.float().clone() if has_x else None
+    # an op's outputs may not alias its inputs
+    dy1 = dy1.float().clone() if has_dy1 else torch.zeros(y1.shape, dtype=torch.float32, device=y1.device)
+    dxa = (dxa.float().clone() if has_dxa else torch.zeros(dy1.shape, dtype=torch.float32, device=dy1.device)) \
+        if has_x else None
     grads = [None, None, None, None]
     xs = xs.float() if has_x else None
     xa = _rms(xs, wx, eps) if has_x and x_norm else xs
@@ -309,15 +315,18 @@ def _torch_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h
 
 
 def _triton_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps,
-                     x_dtype=torch.float32, o_dtype=torch.float32):
+                     x_dtype=torch.float32, o_dtype=torch.float32, has_dy1=True, has_dxa=True):
     """The kernel computes in fp32 and writes dX, dY in ``x_dtype`` and dO in ``o_dtype`` (the dtypes the caller
-    returns: no fp32 buffer and cast after it); the weights' partial sums stay fp32 until summed."""
-    d = dy1.shape[-1]
-    dy1, dy1_stride = _rows(dy1, d)
+    returns: no fp32 buffer and cast after it); the weights' partial sums stay fp32 until summed. Without
+    ``has_dy1`` (Y passed through: no gradient of Y1) ``dy1`` is empty and the kernel reads none; ``has_dxa`` the
+    same for XA (X passed through)."""
+    d = (dy1 if has_dy1 else y1).shape[-1]
+    y1, y1_stride = _rows(y1, d) if y1.numel() else (None, 0)
+    dy1, dy1_stride = _rows(dy1, d) if has_dy1 else (y1, 0)
     rows = dy1.shape[0]
-    dxa, dxa_stride = _rows(dxa, d) if has_x else (dy1, 0)
+    dxa, dxa_stride = _rows(dxa, d) if has_x and has_dxa else (dy1, 0)
     xs, xs_stride = _rows(xs, d) if xs.numel() else (dy1, 0)
-    y1, y1_stride = _rows(y1, d) if y1.numel() else (dy1, 0)
+    y1 = dy1 if y1 is None else y1
     dh = dh.reshape(rows, d).contiguous() if dh.numel() else dy1
     dy = torch.empty((rows, d), dtype=x_dtype, device=dy1.device)
     dx = torch.empty((rows, d), dtype=x_dtype, device=dy1.device) if has_x else dy
@@ -328,7 +337,8 @@ def _triton_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_
                 for w in weights]
     _backward_kernel[(programs,)](xs, y1, dxa, dy1, dh, dx, dy, do, *(w if w is not None else dy for w in weights),
                                   *partials, xs_stride, y1_stride, dxa_stride, dy1_stride, rows, d, scale, eps,
-                                  ROWS_PER_PROGRAM=per, BLOCK=triton.next_power_of_2(d),
+                                  ROWS_PER_PROGRAM=per, BLOCK=triton.next_power_of_2(d), HAS_DY1=bool(has_dy1),
+                                  HAS_DXA=bool(has_x and has_dxa),
                                   **_flags(dx if has_x else None, do if has_o else None, weights, x_norm, in_norm,
                                            has_h))
     return (dx if has_x else None), dy, (do if has_o else None), \
@@ -370,22 +380,26 @@ def _(x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has
 @torch.library.custom_op(f"{NAMESPACE}::stream_backward", mutates_args=())
 def _stream_backward(xs: Tensor, y1: Tensor, dxa: Tensor, dy1: Tensor, dh: Tensor, x_weight: Opt, y_weight: Opt,
                      gamma: Opt, in_weight: Opt, scale: float, x_norm: bool, in_norm: bool, has_h: bool, has_o: bool,
-                     has_x: bool, eps: float, x_dtype: torch.dtype, o_dtype: torch.dtype) -> List[Tensor]:
-    """(dX, dY, dO, dW^X, dW^Y, dgamma, dW^in), each empty where absent."""
+                     has_x: bool, has_dy1: bool, has_dxa: bool, eps: float, x_dtype: torch.dtype,
+                     o_dtype: torch.dtype) -> List[Tensor]:
+    """(dX, dY, dO, dW^X, dW^Y, dgamma, dW^in), each empty where absent; ``dy1`` empty when not ``has_dy1``,
+    ``dxa`` when not ``has_dxa`` (no gradient arrived: the kernel reads none)."""
     weights = (x_weight, y_weight, gamma, in_weight)
     args = (xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps)
-    dx, dy, do, grads = _triton_backward(*args, x_dtype, o_dtype) if _use_triton(dy1) else _torch_backward(*args)
-    shape = dy1.shape
+    shape = (dy1 if has_dy1 else y1).shape
+    dx, dy, do, grads = (_triton_backward(*args, x_dtype, o_dtype, has_dy1, has_dxa)
+                         if _use_triton(y1 if y1.numel() else dy1) else _torch_backward(*args, has_dy1, has_dxa))
     out = [dx.reshape(shape).to(x_dtype) if dx is not None else _empty(dy1), dy.reshape(shape).to(x_dtype),
            do.reshape(shape).to(o_dtype) if do is not None else _empty(dy1)]
     return out + [g.to(w.dtype) if g is not None else _empty(dy1) for g, w in zip(grads, weights)]
 
 
 @_stream_backward.register_fake
-def _(xs, y1, dxa, dy1, dh, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, has_o, has_x, eps,
-      x_dtype, o_dtype):
-    out = [dy1.new_empty(dy1.shape, dtype=x_dtype) if has_x else _empty(dy1), dy1.new_empty(dy1.shape, dtype=x_dtype),
-           dy1.new_empty(dy1.shape, dtype=o_dtype) if has_o else _empty(dy1)]
+def _(xs, y1, dxa, dy1, dh, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, has_o, has_x,
+      has_dy1, has_dxa, eps, x_dtype, o_dtype):
+    shape = (dy1 if has_dy1 else y1).shape
+    out = [dy1.new_empty(shape, dtype=x_dtype) if has_x else _empty(dy1), dy1.new_empty(shape, dtype=x_dtype),
+           dy1.new_empty(shape, dtype=o_dtype) if has_o else _empty(dy1)]
     weights = (x_weight, y_weight, gamma, in_weight)
     return out + [w.new_empty(w.shape) if w is not None else _empty(dy1) for w in weights]
 
@@ -400,6 +414,9 @@ def _setup(ctx, inputs, output):
             keep_x = x1 if x_norm else (a if a.numel() else x)
         keep_y = b if b.numel() else y
     ctx.save_for_backward(keep_x, keep_y, x_weight, y_weight, gamma, in_weight)
+    # an output nothing downstream uses (X1, kept for the backward only; XA or Y1 where a stream passed through)
+    # gets None, not a materialised zero tensor of its shape that the backward would then read
+    ctx.set_materialize_grads(False)
     ctx.args = (scale, x_norm, in_norm, has_h, o is not None, has_x, eps, y.dtype,
                 o.dtype if o is not None else y.dtype)
     ctx.shape = y.shape
@@ -409,15 +426,20 @@ def _backward(ctx, da, db, dh, _dx1):
     keep_x, keep_y, *weights = ctx.saved_tensors
     scale, x_norm, in_norm, has_h, has_o, has_x, eps, x_dtype, o_dtype = ctx.args
     zeros = functools.lru_cache(None)(lambda: torch.zeros(ctx.shape, dtype=x_dtype, device=keep_y.device))
-    if has_h:
-        dxa = (da if da is not None and da.numel() else zeros()) if has_x else _empty(keep_y)
-        dy1 = db if db is not None and db.numel() else zeros()
+    has_dy1 = has_dxa = True
+    if has_h:  # no gradient where a stream passed through (Y without O, X without O or LN^X): nothing to read
+        has_dxa = has_x and da is not None and da.numel() > 0
+        dxa = da if has_dxa else _empty(keep_y)
+        has_dy1 = db is not None and db.numel() > 0
+        dy1 = db if has_dy1 else _empty(keep_y)
         dh = dh if dh is not None else zeros()
+    elif da is None:  # the stacked state unused downstream: no gradient to pass on
+        return (None,) * 12
     else:
         d = ctx.shape[-1]
         dxa, dy1, dh = da[..., :d], da[..., d:], _empty(da)
     dx, dy, do, *dw = _stream_backward(keep_x, keep_y, dxa, dy1, dh, *weights, scale, x_norm, in_norm, has_h, has_o,
-                                       has_x, eps, x_dtype, o_dtype)
+                                       has_x, has_dy1, has_dxa, eps, x_dtype, o_dtype)
     grads = [g if g.numel() else None for g in dw]
     return (dx if has_x else None, dy, do if has_o else None, *grads, None, None, None, None, None)
 

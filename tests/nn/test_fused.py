@@ -147,6 +147,35 @@ def test_one_op_each_way_per_sublayer():
         assert step["layer"][phase]["matmul_flops"] == unfused["layer"][phase]["matmul_flops"]
 
 
+@pytest.mark.parametrize("model_type", ["pre", "post_pre", "hybrid_pre"])
+def test_the_stream_ops_backward_reads_no_materialised_zero_gradient(model_type):
+    """Outputs nothing downstream uses (X1, kept for the backward; Y1 or XA where a stream passes through) get no
+    gradient: autograd would otherwise write a zero tensor of their shape for each that the kernel then reads
+    (post_pre: two a layer). The fused layers' backward runs no ``zeros`` at all, and moves fewer bytes than with
+    materialised gradients (fewer kernels; for the two streams fewer bytes too)."""
+    cfg = tiny_config(layer_norm_with_affine=True, fused_streams=True)
+    step = costmodel.step_cost(cfg, model_type, microbatch=2, seq_len=16, autocast=None)
+    assert "zeros" not in step["by_op"]["backward"], step["by_op"]["backward"].get("zeros")
+    setup = fused._setup
+
+    def materialising(ctx, inputs, output):
+        setup(ctx, inputs, output)
+        ctx.set_materialize_grads(True)
+
+    with pytest.MonkeyPatch.context() as patch:  # the op as it was: what the assertion above would catch
+        patch.setattr(fused, "_setup", materialising)
+        fused._stream_forward.register_autograd(fused._backward, setup_context=fused._setup)
+        try:
+            before = costmodel.step_cost(cfg, model_type, microbatch=2, seq_len=16, autocast=None)
+        finally:
+            fused._stream_forward.register_autograd(fused._backward, setup_context=setup)
+    assert before["by_op"]["backward"]["zeros"][0] > 0
+    now, then = step["layer"]["backward"], before["layer"]["backward"]
+    assert now["kernels"] < then["kernels"]
+    # pre's, in this tiny model, were empty; the two-stream layers' were (B, T, d) tensors
+    assert now["bytes"] < then["bytes"] if model_type != "pre" else now["bytes"] == then["bytes"]
+
+
 @pytest.mark.parametrize("change,words", [
     ({"layer_norm_type": "default"}, "layer_norm_type: default"),
     ({"bias_for_layer_norm": True}, "a norm bias"),
