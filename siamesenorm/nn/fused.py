@@ -425,14 +425,13 @@ def _setup(ctx, inputs, output):
 def _backward(ctx, da, db, dh, _dx1):
     keep_x, keep_y, *weights = ctx.saved_tensors
     scale, x_norm, in_norm, has_h, has_o, has_x, eps, x_dtype, o_dtype = ctx.args
-    zeros = functools.lru_cache(None)(lambda: torch.zeros(ctx.shape, dtype=x_dtype, device=keep_y.device))
     has_dy1 = has_dxa = True
     if has_h:  # no gradient where a stream passed through (Y without O, X without O or LN^X): nothing to read
         has_dxa = has_x and da is not None and da.numel() > 0
         dxa = da if has_dxa else _empty(keep_y)
         has_dy1 = db is not None and db.numel() > 0
         dy1 = db if has_dy1 else _empty(keep_y)
-        dh = dh if dh is not None else zeros()
+        dh = dh if dh is not None else torch.zeros(ctx.shape, dtype=x_dtype, device=keep_y.device)
     elif da is None:  # the stacked state unused downstream: no gradient to pass on
         return (None,) * 12
     else:
