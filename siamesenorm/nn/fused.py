@@ -8,8 +8,10 @@ One sublayer's input side, per token (row of d features; every norm an RMSNorm, 
     H  = LN^in(Z)                                     (with ``in_norm``; else H = Z)
 
 returns (XA, Y1, H): the two streams after the update and the sublayer's input. Without X (one stream, ``x``
-None: Pre-Norm's add and norm, the fair baseline) it is Y1 = Y + O, H = LN^in(LN^Y(Y1)). ``stream_add`` is the end
-of a block: X + O * s and Y + O written side by side into the stacked state. Eager PyTorch runs this as about
+None: Pre-Norm's add and norm, the fair baseline) it is Y1 = Y + O, H = LN^in(LN^Y(Y1)). ``block_input`` is a
+block's first call on the stacked state (X, Y) OLMo's loop carries: its halves read in place, its gradient written
+whole by the backward. ``stream_add`` is the end of a block: X + O * s and Y + O written side by side into the
+stacked state; its backward hands the stacked gradient's halves on as they are and writes dO. Eager runs this as about
 30 kernels that each read and write a (rows, d) tensor; one Triton kernel reads X, Y, O once and writes XA, Y1, H
 (and X1 where LN^X follows the add, for backward). Backward is one kernel too: it keeps only Y1 and X1 (XA when
 there is no LN^X), recomputes the norms from them, and writes dX, dY, dO with each weight's gradient summed over
@@ -85,7 +87,7 @@ if triton is not None:
     def _forward_kernel(X, Y, O, XA, Y1, H, X1, WX, WY, G, WIN, x_stride, y_stride, o_stride, out_stride, d, scale,
                         eps, HAS_X: tl.constexpr, HAS_O: tl.constexpr, X_NORM: tl.constexpr, HAS_WX: tl.constexpr,
                         HAS_WY: tl.constexpr, HAS_G: tl.constexpr, IN_NORM: tl.constexpr, HAS_WIN: tl.constexpr,
-                        HAS_H: tl.constexpr, BLOCK: tl.constexpr):
+                        HAS_H: tl.constexpr, COPY: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < d
@@ -93,17 +95,19 @@ if triton is not None:
         if HAS_O:
             o = tl.load(O + row * o_stride + cols, mask=mask, other=0.0).to(tl.float32)
             y = y + o
+        if HAS_O or COPY:  # COPY: the stacked state's streams written as tensors of their own, even unchanged
             tl.store(Y1 + row * out_stride + cols, y.to(Y1.dtype.element_ty), mask=mask)
         if HAS_X:
             xa = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
             if HAS_O:
                 xa = xa + o * scale
             if X_NORM:
-                tl.store(X1 + row * d + cols, xa.to(X1.dtype.element_ty), mask=mask)
+                if HAS_O:  # without O, X1 is X itself: the backward reads X
+                    tl.store(X1 + row * d + cols, xa.to(X1.dtype.element_ty), mask=mask)
                 xa = xa * _rstd(xa, d, eps)
                 if HAS_WX:
                     xa = xa * tl.load(WX + cols, mask=mask, other=0.0).to(tl.float32)
-            if HAS_O or X_NORM:  # else X passes through unchanged and is not written
+            if HAS_O or X_NORM or COPY:  # else X passes through unchanged and is not written
                 tl.store(XA + row * out_stride + cols, xa.to(XA.dtype.element_ty), mask=mask)
         if HAS_H:
             z = y * _rstd(y, d, eps)
@@ -131,10 +135,11 @@ if triton is not None:
 
     @triton.jit
     def _backward_kernel(XS, Y1, DXA, DY1, DH, DX, DY, DO, WX, WY, G, WIN, PWX, PWY, PG, PWIN, xs_stride, y1_stride,
-                         dxa_stride, dy1_stride, rows, d, scale, eps, HAS_X: tl.constexpr, HAS_O: tl.constexpr,
-                         X_NORM: tl.constexpr, HAS_WX: tl.constexpr, HAS_WY: tl.constexpr, HAS_G: tl.constexpr,
-                         IN_NORM: tl.constexpr, HAS_WIN: tl.constexpr, HAS_H: tl.constexpr,
-                         HAS_DY1: tl.constexpr, HAS_DXA: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr):
+                         dxa_stride, dy1_stride, dxy_stride, rows, d, scale, eps, HAS_X: tl.constexpr,
+                         HAS_O: tl.constexpr, X_NORM: tl.constexpr, HAS_WX: tl.constexpr, HAS_WY: tl.constexpr,
+                         HAS_G: tl.constexpr, IN_NORM: tl.constexpr, HAS_WIN: tl.constexpr, HAS_H: tl.constexpr,
+                         HAS_DY1: tl.constexpr, HAS_DXA: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+                         BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         cols = tl.arange(0, BLOCK)
         mask = cols < d
@@ -188,14 +193,16 @@ if triton is not None:
                 if HAS_WY:
                     acc_wy += dz * y_hat
                 dy1 += dyn
-            tl.store(DY + row * d + cols, dy1.to(DY.dtype.element_ty), mask=m)
+            if HAS_H:  # the end of a block hands dX and dY on as they arrived: it writes dO only
+                tl.store(DY + row * dxy_stride + cols, dy1.to(DY.dtype.element_ty), mask=m)
             if HAS_X:
                 dx1 = dxa
                 if X_NORM:
                     dx1, x_hat = _norm_backward(xs, wx, dxa, d, eps, HAS_WX)
                     if HAS_WX:
                         acc_wx += dxa * x_hat
-                tl.store(DX + row * d + cols, dx1.to(DX.dtype.element_ty), mask=m)
+                if HAS_H:
+                    tl.store(DX + row * dxy_stride + cols, dx1.to(DX.dtype.element_ty), mask=m)
                 if HAS_O:
                     tl.store(DO + row * d + cols, (dx1 * scale + dy1).to(DO.dtype.element_ty), mask=m)
             elif HAS_O:
@@ -230,40 +237,51 @@ def _flags(x, o, weights, x_norm, in_norm, has_h):
                 HAS_WIN=in_weight is not None, HAS_H=bool(has_h))
 
 
-def _triton_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps):
-    d = y.shape[-1]
-    (yr, ys) = _rows(y, d)
-    xr, xs = _rows(x, d) if x is not None else (yr, 0)
+def _triton_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps, stacked=False):
+    if stacked:  # y is the stacked state (X, Y): its halves read in place, both written as tensors of their own
+        d = y.shape[-1] // 2
+        state, s_stride = _rows(y, 2 * d)
+        (xr, xs), (yr, ys) = (state[:, :d], s_stride), (state[:, d:], s_stride)
+        x = xr
+    else:
+        d = y.shape[-1]
+        yr, ys = _rows(y, d)
+        xr, xs = _rows(x, d) if x is not None else (yr, 0)
     orows, o_stride = _rows(o, d) if o is not None else (yr, 0)
     rows = yr.shape[0]
     new = functools.partial(torch.empty, dtype=y.dtype, device=y.device)
-    write_x, write_y = x is not None and (o is not None or x_norm), o is not None
+    write_x, write_y = x is not None and (o is not None or x_norm or stacked), o is not None or stacked
     if has_h:
         xa, y1, h, out_stride = new((rows, d)) if write_x else xr, new((rows, d)) if write_y else yr, new((rows, d)), d
     else:  # the end of a block: both streams written side by side
-        stacked = new((rows, 2 * d))
-        xa, y1, h, out_stride = stacked[:, :d], stacked[:, d:], xr, 2 * d
-    x1 = new((rows, d)) if x_norm else xa
+        stacked_out = new((rows, 2 * d))
+        xa, y1, h, out_stride = stacked_out[:, :d], stacked_out[:, d:], xr, 2 * d
+    write_x1 = x_norm and o is not None  # without O, X1 is X: the backward reads X
+    x1 = new((rows, d)) if write_x1 else xa
     _forward_kernel[(rows,)](xr, yr, orows, xa, y1, h, x1, *(w if w is not None else yr for w in weights), xs, ys,
-                             o_stride, out_stride, d, float(scale), float(eps), BLOCK=triton.next_power_of_2(d),
-                             **_flags(x, o, weights, x_norm, in_norm, has_h))
+                             o_stride, out_stride, d, float(scale), float(eps), COPY=bool(stacked),
+                             BLOCK=triton.next_power_of_2(d), **_flags(x, o, weights, x_norm, in_norm, has_h))
     if not has_h:
-        return stacked, None, None, None
-    return (xa if write_x else None), (y1 if write_y else None), h, (x1 if x_norm else None)
+        return stacked_out, None, None, None
+    return (xa if write_x else None), (y1 if write_y else None), h, (x1 if write_x1 else None)
 
 
-def _torch_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps):
+def _torch_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps, stacked=False):
     """The same outputs as the kernel, in plain torch (CPU, or CUDA without Triton)."""
+    if stacked:
+        d = y.shape[-1] // 2
+        x, y = y[..., :d], y[..., d:]
     if not has_h:
         return torch.cat([(x.float() + o.float() * scale).to(x.dtype), (y.float() + o.float()).to(y.dtype)], -1), \
             None, None, None
     x_weight, y_weight, gamma, in_weight = weights
     xa, y1, h = reference(x, y, o, scale=scale, x_norm=x_norm, x_weight=x_weight, y_weight=y_weight, gamma=gamma,
                           in_norm=in_norm, in_weight=in_weight, eps=eps)
-    x1 = None
-    if x is not None and x_norm:
-        x1 = (x.float() + o.float() * scale).to(x.dtype) if o is not None else x.clone()
-    return (xa if x is not None and (o is not None or x_norm) else None), (y1 if o is not None else None), h, x1
+    changed = o is not None
+    x1 = (x.float() + o.float() * scale).to(x.dtype) if x is not None and x_norm and changed else None
+    if x is not None:  # a stream that passes through unchanged is written only from the stacked state (a copy)
+        xa = xa if changed or x_norm else (x.clone() if stacked else None)
+    return xa, (y1 if changed else y.clone() if stacked else None), h, x1
 
 
 def _norm_backward_torch(u, w, grad, eps):
@@ -311,15 +329,18 @@ def _torch_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h
         if wx is not None:
             grads[0] = (dxa * x_hat).reshape(-1, xs.shape[-1]).sum(0)
     do = (dx1 * scale + dy1 if has_x else dy1.clone()) if has_o else None  # outputs may not alias each other
+    if not has_h:  # the end of a block: dX and dY are the incoming gradient's halves, handed on as they are
+        dx1, dy1 = None, None
     return dx1, dy1, do, grads
 
 
 def _triton_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps,
-                     x_dtype=torch.float32, o_dtype=torch.float32, has_dy1=True, has_dxa=True):
+                     x_dtype=torch.float32, o_dtype=torch.float32, has_dy1=True, has_dxa=True, stacked=False):
     """The kernel computes in fp32 and writes dX, dY in ``x_dtype`` and dO in ``o_dtype`` (the dtypes the caller
     returns: no fp32 buffer and cast after it); the weights' partial sums stay fp32 until summed. Without
     ``has_dy1`` (Y passed through: no gradient of Y1) ``dy1`` is empty and the kernel reads none; ``has_dxa`` the
-    same for XA (X passed through)."""
+    same for XA (X passed through). ``stacked``: dX and dY written side by side, the stacked state's gradient (returned
+    as dY, (rows, 2d)). Without ``has_h`` (the end of a block) only dO is written."""
     d = (dy1 if has_dy1 else y1).shape[-1]
     y1, y1_stride = _rows(y1, d) if y1.numel() else (None, 0)
     dy1, dy1_stride = _rows(dy1, d) if has_dy1 else (y1, 0)
@@ -328,21 +349,30 @@ def _triton_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_
     xs, xs_stride = _rows(xs, d) if xs.numel() else (dy1, 0)
     y1 = dy1 if y1 is None else y1
     dh = dh.reshape(rows, d).contiguous() if dh.numel() else dy1
-    dy = torch.empty((rows, d), dtype=x_dtype, device=dy1.device)
-    dx = torch.empty((rows, d), dtype=x_dtype, device=dy1.device) if has_x else dy
+    new = functools.partial(torch.empty, dtype=x_dtype, device=dy1.device)
+    if stacked:
+        dxy = new((rows, 2 * d))
+        dx, dy, dxy_stride = dxy[:, :d], dxy[:, d:], 2 * d
+    else:
+        dy = new((rows, d)) if has_h else dy1  # the end of a block writes dO only
+        dx, dxy_stride = new((rows, d)) if has_x and has_h else dy, d
     do = torch.empty((rows, d), dtype=o_dtype, device=dy1.device) if has_o else dy
     per = min(64, rows)  # rows per program: 64 at training sizes; a small call, one program
     programs = triton.cdiv(rows, per)
     partials = [torch.empty((programs, d), dtype=torch.float32, device=dy.device) if w is not None else dy
                 for w in weights]
     _backward_kernel[(programs,)](xs, y1, dxa, dy1, dh, dx, dy, do, *(w if w is not None else dy for w in weights),
-                                  *partials, xs_stride, y1_stride, dxa_stride, dy1_stride, rows, d, scale, eps,
-                                  ROWS_PER_PROGRAM=per, BLOCK=triton.next_power_of_2(d), HAS_DY1=bool(has_dy1),
+                                  *partials, xs_stride, y1_stride, dxa_stride, dy1_stride, dxy_stride, rows, d, scale,
+                                  eps, ROWS_PER_PROGRAM=per, BLOCK=triton.next_power_of_2(d), HAS_DY1=bool(has_dy1),
                                   HAS_DXA=bool(has_x and has_dxa),
                                   **_flags(dx if has_x else None, do if has_o else None, weights, x_norm, in_norm,
                                            has_h))
-    return (dx if has_x else None), dy, (do if has_o else None), \
-        [p.sum(0) if w is not None else None for p, w in zip(partials, weights)]
+    grads = [p.sum(0) if w is not None else None for p, w in zip(partials, weights)]
+    if stacked:
+        return None, dxy, (do if has_o else None), grads
+    if not has_h:
+        return None, None, (do if has_o else None), grads
+    return (dx if has_x else None), dy, (do if has_o else None), grads
 
 
 def _use_triton(t: Tensor) -> bool:
@@ -358,89 +388,105 @@ NAMESPACE = "siamesenorm" if __name__ == "siamesenorm.nn.fused" else "siamesenor
 
 @torch.library.custom_op(f"{NAMESPACE}::stream_forward", mutates_args=())
 def _stream_forward(x: Opt, y: Tensor, o: Opt, x_weight: Opt, y_weight: Opt, gamma: Opt, in_weight: Opt,
-                    scale: float, x_norm: bool, in_norm: bool, has_h: bool,
+                    scale: float, x_norm: bool, in_norm: bool, has_h: bool, stacked: bool,
                     eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(XA, Y1, H, X1), each empty where not written (X, Y passing through unchanged, or no X; X1 only with LN^X);
-    without ``has_h``, (the stacked streams, empty, empty, empty)."""
+    """(XA, Y1, H, X1), each empty where not written (X, Y passing through unchanged, or no X; X1 only with LN^X
+    after an add); without ``has_h``, (the stacked streams, empty, empty, empty). ``stacked``: ``x`` None and ``y``
+    the stacked state (X, Y), (..., 2d); XA and Y1 are then always written."""
     run = _triton_forward if _use_triton(y) else _torch_forward
-    out = run(x, y, o, (x_weight, y_weight, gamma, in_weight), scale, x_norm, in_norm, has_h, eps)
+    out = run(x, y, o, (x_weight, y_weight, gamma, in_weight), scale, x_norm, in_norm, has_h, eps, stacked)
     return tuple(t.reshape(*y.shape[:-1], t.shape[-1]) if t is not None else _empty(y) for t in out)
 
 
 @_stream_forward.register_fake
-def _(x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, eps):
+def _(x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, stacked, eps):
     if not has_h:
         return y.new_empty(*y.shape[:-1], 2 * y.shape[-1]), _empty(y), _empty(y), _empty(y)
-    has_x = x is not None
-    return (y.new_empty(y.shape) if has_x and (o is not None or x_norm) else _empty(y),
-            y.new_empty(y.shape) if o is not None else _empty(y), y.new_empty(y.shape),
-            y.new_empty(y.shape) if has_x and x_norm else _empty(y))
+    has_x = x is not None or stacked
+    shape = (*y.shape[:-1], y.shape[-1] // 2) if stacked else y.shape
+    return (y.new_empty(shape) if has_x and (o is not None or x_norm or stacked) else _empty(y),
+            y.new_empty(shape) if o is not None or stacked else _empty(y), y.new_empty(shape),
+            y.new_empty(shape) if has_x and x_norm and o is not None else _empty(y))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::stream_backward", mutates_args=())
 def _stream_backward(xs: Tensor, y1: Tensor, dxa: Tensor, dy1: Tensor, dh: Tensor, x_weight: Opt, y_weight: Opt,
                      gamma: Opt, in_weight: Opt, scale: float, x_norm: bool, in_norm: bool, has_h: bool, has_o: bool,
-                     has_x: bool, has_dy1: bool, has_dxa: bool, eps: float, x_dtype: torch.dtype,
+                     has_x: bool, has_dy1: bool, has_dxa: bool, stacked: bool, eps: float, x_dtype: torch.dtype,
                      o_dtype: torch.dtype) -> List[Tensor]:
     """(dX, dY, dO, dW^X, dW^Y, dgamma, dW^in), each empty where absent; ``dy1`` empty when not ``has_dy1``,
-    ``dxa`` when not ``has_dxa`` (no gradient arrived: the kernel reads none)."""
+    ``dxa`` when not ``has_dxa`` (no gradient arrived: the kernel reads none). ``stacked``: dY is the stacked
+    state's gradient (..., 2d) and dX empty. Without ``has_h`` (the end of a block): dO only."""
     weights = (x_weight, y_weight, gamma, in_weight)
     args = (xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps)
     shape = (dy1 if has_dy1 else y1).shape
-    dx, dy, do, grads = (_triton_backward(*args, x_dtype, o_dtype, has_dy1, has_dxa)
-                         if _use_triton(y1 if y1.numel() else dy1) else _torch_backward(*args, has_dy1, has_dxa))
-    out = [dx.reshape(shape).to(x_dtype) if dx is not None else _empty(dy1), dy.reshape(shape).to(x_dtype),
-           do.reshape(shape).to(o_dtype) if do is not None else _empty(dy1)]
-    return out + [g.to(w.dtype) if g is not None else _empty(dy1) for g, w in zip(grads, weights)]
+    if _use_triton(y1 if y1.numel() else dy1):
+        dx, dy, do, grads = _triton_backward(*args, x_dtype, o_dtype, has_dy1, has_dxa, stacked)
+    else:
+        dx, dy, do, grads = _torch_backward(*args, has_dy1, has_dxa)
+        if stacked:
+            dx, dy = None, torch.cat([dx, dy], -1)
+    lead = shape[:-1]
+    out = [t.reshape(*lead, t.shape[-1]).to(dtype) if t is not None else _empty(dh)
+           for t, dtype in ((dx, x_dtype), (dy, x_dtype), (do, o_dtype))]
+    return out + [g.to(w.dtype) if g is not None else _empty(dh) for g, w in zip(grads, weights)]
 
 
 @_stream_backward.register_fake
 def _(xs, y1, dxa, dy1, dh, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, has_o, has_x,
-      has_dy1, has_dxa, eps, x_dtype, o_dtype):
+      has_dy1, has_dxa, stacked, eps, x_dtype, o_dtype):
     shape = (dy1 if has_dy1 else y1).shape
-    out = [dy1.new_empty(shape, dtype=x_dtype) if has_x else _empty(dy1), dy1.new_empty(shape, dtype=x_dtype),
-           dy1.new_empty(shape, dtype=o_dtype) if has_o else _empty(dy1)]
+    wide = (*shape[:-1], 2 * shape[-1])
+    out = [dh.new_empty(shape, dtype=x_dtype) if has_x and has_h and not stacked else _empty(dh),
+           dh.new_empty(wide if stacked else shape, dtype=x_dtype) if has_h else _empty(dh),
+           dh.new_empty(shape, dtype=o_dtype) if has_o else _empty(dh)]
     weights = (x_weight, y_weight, gamma, in_weight)
-    return out + [w.new_empty(w.shape) if w is not None else _empty(dy1) for w in weights]
+    return out + [w.new_empty(w.shape) if w is not None else _empty(dh) for w in weights]
 
 
 def _setup(ctx, inputs, output):
-    x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, eps = inputs
+    x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, stacked, eps = inputs
     a, b, _, x1 = output
+    if stacked:  # the two streams are the halves of y, read in place in the backward too
+        d = y.shape[-1] // 2
+        x, y = y[..., :d], y[..., d:]
     has_x = x is not None
     keep_x, keep_y = _empty(y), _empty(y)  # the end-of-block add recomputes nothing
-    if has_h:
+    if has_h:  # the streams after the add (the inputs where no O is added), X1 before LN^X
         if has_x:
-            keep_x = x1 if x_norm else (a if a.numel() else x)
-        keep_y = b if b.numel() else y
+            keep_x = (x1 if x_norm else a) if o is not None else x
+        keep_y = b if o is not None else y
     ctx.save_for_backward(keep_x, keep_y, x_weight, y_weight, gamma, in_weight)
     # an output nothing downstream uses (X1, kept for the backward only; XA or Y1 where a stream passed through)
     # gets None, not a materialised zero tensor of its shape that the backward would then read
     ctx.set_materialize_grads(False)
-    ctx.args = (scale, x_norm, in_norm, has_h, o is not None, has_x, eps, y.dtype,
+    ctx.args = (scale, x_norm, in_norm, has_h, o is not None, has_x, stacked, eps, y.dtype,
                 o.dtype if o is not None else y.dtype)
     ctx.shape = y.shape
 
 
 def _backward(ctx, da, db, dh, _dx1):
     keep_x, keep_y, *weights = ctx.saved_tensors
-    scale, x_norm, in_norm, has_h, has_o, has_x, eps, x_dtype, o_dtype = ctx.args
-    has_dy1 = has_dxa = True
-    if has_h:  # no gradient where a stream passed through (Y without O, X without O or LN^X): nothing to read
-        has_dxa = has_x and da is not None and da.numel() > 0
-        dxa = da if has_dxa else _empty(keep_y)
-        has_dy1 = db is not None and db.numel() > 0
-        dy1 = db if has_dy1 else _empty(keep_y)
-        dh = dh if dh is not None else torch.zeros(ctx.shape, dtype=x_dtype, device=keep_y.device)
-    elif da is None:  # the stacked state unused downstream: no gradient to pass on
-        return (None,) * 12
-    else:
+    scale, x_norm, in_norm, has_h, has_o, has_x, stacked, eps, x_dtype, o_dtype = ctx.args
+    if not has_h:  # the end of a block: dX and dY are the stacked gradient's halves, as they are; one kernel for dO
+        if da is None:  # the stacked state unused downstream: no gradient to pass on
+            return (None,) * 13
         d = ctx.shape[-1]
-        dxa, dy1, dh = da[..., :d], da[..., d:], _empty(da)
+        dxa, dy1 = da[..., :d], da[..., d:]
+        do = _stream_backward(_empty(da), _empty(da), dxa, dy1, _empty(da), *weights, scale, x_norm, in_norm, has_h,
+                              has_o, has_x, True, True, False, eps, x_dtype, o_dtype)[2]
+        return (dxa, dy1, do, *(None,) * 10)
+    # no gradient where a stream passed through (Y without O, X without O or LN^X): nothing to read
+    has_dxa = has_x and da is not None and da.numel() > 0
+    dxa = da if has_dxa else _empty(keep_y)
+    has_dy1 = db is not None and db.numel() > 0
+    dy1 = db if has_dy1 else _empty(keep_y)
+    dh = dh if dh is not None else torch.zeros(ctx.shape, dtype=x_dtype, device=keep_y.device)
     dx, dy, do, *dw = _stream_backward(keep_x, keep_y, dxa, dy1, dh, *weights, scale, x_norm, in_norm, has_h, has_o,
-                                       has_x, has_dy1, has_dxa, eps, x_dtype, o_dtype)
+                                       has_x, has_dy1, has_dxa, stacked, eps, x_dtype, o_dtype)
     grads = [g if g.numel() else None for g in dw]
-    return (dx if has_x else None, dy, do if has_o else None, *grads, None, None, None, None, None)
+    return (dx if has_x and not stacked else None, dy, do if has_o else None, *grads, None, None, None, None, None,
+            None)
 
 
 _stream_forward.register_autograd(_backward, setup_context=_setup)
@@ -459,13 +505,27 @@ def stream_input(x: Optional[Tensor], y: Tensor, o: Optional[Tensor] = None, *, 
     """(XA, Y1, H) as in the module docstring, one op each way (``siamesenorm::stream_forward`` / ``_backward``).
     ``x`` None: one stream, H = LN^in(LN^Y(Y1)) (Pre-Norm's add and norm; XA comes back None)."""
     a, b, h, _ = _stream_forward(x, y, o, x_weight, y_weight, gamma, in_weight, float(scale), bool(x_norm),
-                                 bool(in_norm), True, float(eps))
+                                 bool(in_norm), True, False, float(eps))
     return (None if x is None else a if a.numel() else x), (b if b.numel() else y), h
 
 
+def block_input(state: Tensor, o: Optional[Tensor] = None, *, scale: float = 1.0, x_norm: bool = False,
+                x_weight: Optional[Tensor] = None, y_weight: Optional[Tensor] = None, gamma: Optional[Tensor] = None,
+                in_norm: bool = False, in_weight: Optional[Tensor] = None,
+                eps: float = 1e-5) -> Tuple[Tensor, Tensor, Tensor]:
+    """``stream_input`` on the stacked state (X, Y), (..., 2d), the tensor OLMo's loop hands a block: (XA, Y1, H) with
+    X and Y its halves, read in place. XA and Y1 come back as tensors of their own even where a stream passes through
+    (one write each, so that their gradients come back to this op), and the backward writes the state's gradient
+    itself, dX and dY side by side: no ``cat`` joining two halves' gradients, no sum of two uses of a half."""
+    a, b, h, _ = _stream_forward(None, state, o, x_weight, y_weight, gamma, in_weight, float(scale), bool(x_norm),
+                                 bool(in_norm), True, True, float(eps))
+    return a, b, h
+
+
 def stream_add(x: Tensor, y: Tensor, o: Tensor, *, scale: float = 1.0) -> Tensor:
-    """The end of a block: (X + O * s, Y + O) stacked on the feature axis, (..., 2d), the state OLMo's loop carries."""
-    return _stream_forward(x, y, o, None, None, None, None, float(scale), False, False, False, 1e-5)[0]
+    """The end of a block: (X + O * s, Y + O) stacked on the feature axis, (..., 2d), the state OLMo's loop carries.
+    Backward: the stacked gradient's halves are dX and dY as they are (views, no copy); one kernel writes dO."""
+    return _stream_forward(x, y, o, None, None, None, None, float(scale), False, False, False, False, 1e-5)[0]
 
 
 # ---- HybridNorm's per-head Q/K/V norms in one pass over the attention projection's output ------------------------
@@ -956,8 +1016,8 @@ def stream_mix(h: Tensor, m: Tensor, b: Tensor, f: Tensor) -> Tensor:
 # ---- the check the tests and the GPU check run ---------------------------------------------------------------------
 def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol: float = 2e-5,
           seen: Optional[list] = None, dtype: torch.dtype = torch.float64) -> List[dict]:
-    """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32) and ``stream_add``, on separate
-    and stacked streams, of ``head_norm`` (with and without weights, as many k/v heads as q heads and fewer,
+    """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32), of ``block_input`` (O, LN^X,
+    gamma, LN^in, weights or none: 32) and of ``stream_add``, on separate and stacked streams, of ``head_norm`` (with and without weights, as many k/v heads as q heads and fewer,
     contiguous and strided: 8), of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8) and of
     ``stream_mix`` (4, 3 and 2 streams, stacked and widened from one stream: 6), forward and backward (a random
     projection of the outputs), against autograd of ``reference`` / ``head_reference`` / siamesenorm.nn.sinkhorn /
@@ -1056,5 +1116,16 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
         seen.append(case)
         if not agree(lambda: mix_reference(h, m, b, f).flatten(-2), lambda: stream_mix(h, m, b, f).flatten(-2),
                      [base, m, b, f], (n * d,)):
+            bad.append(case)
+    # last, so that the cases above draw the inputs they always drew
+    for has_o, x_norm, g, in_norm, w in itertools.product([True, False], repeat=5):
+        (state,), x, y = streams(True)
+        o = randn(*shape) if has_o else None
+        kw = dict(scale=0.37, x_norm=x_norm, x_weight=weight(w and x_norm), y_weight=weight(w), gamma=weight(g),
+                  in_norm=in_norm, in_weight=weight(w and in_norm))
+        leaves = [state] + [t for t in (o, *kw.values()) if isinstance(t, Tensor)]
+        case = dict(block_input=True, has_o=has_o, x_norm=x_norm, g=g, in_norm=in_norm, weights=w)
+        seen.append(case)
+        if not agree(lambda: reference(x, y, o, **kw), lambda: block_input(state, o, **kw), leaves, (d, d, d)):
             bad.append(case)
     return bad

@@ -21,7 +21,7 @@ from olmo.config import ModelConfig
 from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
 from torch.utils.checkpoint import checkpoint
 
-from ..nn.fused import stream_add, stream_input
+from ..nn.fused import block_input, stream_add, stream_input
 from ..nn.topologies import DEPTH_SCALING_FORMS, MIXING_FORMS, StackedStreams, StreamMixing, depth_divisor
 from .spec import Knob, knob
 
@@ -331,6 +331,11 @@ class TwoStreamBlock(TopologyBlock):
             return xs, ys
         xs, ys = self.cheap(mixing, xs, ys)
         return (self.norm(getattr(self, x_norm), xs) if x_norm else xs), ys
+
+    def fused_input(self, state: torch.Tensor, **kw):
+        """The block's first fused op, (XA, Y1, H): on the stacked state itself (``block_input``: its gradient written
+        whole by the op); block 0's state is the embedding both streams start from, taken as both."""
+        return stream_input(state, state, **kw) if self.is_first else block_input(state, **kw)
 
     def end(self, xs: torch.Tensor, ys: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """The block's last update, X + O / c and Y + O, then ``finish``; fused: written straight into the stacked

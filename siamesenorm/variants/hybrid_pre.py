@@ -60,9 +60,9 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
         nn.init.ones_(self.gamma)
 
     def update(self, x, attention):
-        xs, ys = self.split_streams(x)
         if self.fused_streams and self.mixing == "none":
-            return self.fused_update(xs, ys, attention)
+            return self.fused_update(x, attention)
+        xs, ys = self.split_streams(x)
         xs, ys = self.mix("attn", xs, ys, x_norm="attn_mix_norm_x")
         # LN^X_attn (attn_norm_x) is applied at the start of the MLP's input fusion rather than at the end of the
         # attention sublayer: the same X, one tensor fewer kept for backward
@@ -75,11 +75,11 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
                                 run=self.cheap)
         return self.finish([xs, ys])
 
-    def fused_update(self, xs, ys, attention):
-        """The same equations through the fused ops (model.fused_streams): one op before each sublayer, one after
-        the MLP."""
+    def fused_update(self, state, attention):
+        """The same equations through the fused ops (model.fused_streams): one op before each sublayer (the first on
+        the stacked state itself, ``fused_input``, which hands X and Y on), one after the MLP."""
         eps = self.config.layer_norm_eps
-        _, _, h = stream_input(xs, ys, gamma=self.gamma, y_weight=self.weight(self.attn_norm_y), eps=eps)
+        xs, ys, h = self.fused_input(state, gamma=self.gamma, y_weight=self.weight(self.attn_norm_y), eps=eps)
         r = attention(h)
         normalized = knob(self.config, "siamese_normalized_input")
         xs, ys, m = stream_input(xs, ys, r, scale=1.0 / self.depth_scale, x_norm=True,

@@ -66,11 +66,11 @@ class SiamesePostPreBlock(TwoStreamBlock):
         return knob(self.config, "post_pre_x_norm_position") == "before_sublayer"
 
     def update(self, x, attention):
-        xs, ys = self.split_streams(x)
         normalized = knob(self.config, "siamese_normalized_input")
         position = knob(self.config, "post_pre_x_norm_position")
         if self.fused_streams and position == "before_sublayer" and self.mixing == "none":
-            return self.fused_update(xs, ys, attention, normalized)
+            return self.fused_update(x, attention, normalized)
+        xs, ys = self.split_streams(x)
         for branch, prefix in ((attention, "attn"), (self.mlp, "ff")):
             xs, ys = self.mix(prefix, xs, ys, x_norm=None if position == "before_sublayer" else prefix + "_mix_norm_x")
             xs, ys = siamese_update(
@@ -79,18 +79,20 @@ class SiamesePostPreBlock(TwoStreamBlock):
                 x_norm_position=position, run=self.cheap)
         return self.finish([xs, ys])
 
-    def fused_update(self, xs, ys, attention, normalized: bool):
-        """LN^X before each sublayer through the fused ops (model.fused_streams): the attention's input fusion, the
-        attention output's add fused with the MLP's input fusion, and the MLP output's add."""
-        eps, out = self.config.layer_norm_eps, None
-        for branch, prefix in ((attention, "attn"), (self.mlp, "ff")):
-            xs, ys, h = stream_input(xs, ys, out, scale=1.0 / self.depth_scale, x_norm=True,
-                                     x_weight=self.weight(getattr(self, f"{prefix}_norm_x")),
-                                     y_weight=self.weight(getattr(self, f"{prefix}_norm_y")), in_norm=normalized,
-                                     in_weight=self.weight(getattr(self, f"{prefix}_norm")) if normalized else None,
-                                     eps=eps)
-            out = branch(h)
-        return self.end(xs, ys, out)
+    def fused_update(self, state, attention, normalized: bool):
+        """LN^X before each sublayer through the fused ops (model.fused_streams): the attention's input fusion on
+        the stacked state itself (``fused_input``), the attention output's add fused with the MLP's input fusion,
+        and the MLP output's add."""
+        xs, ys, h = self.fused_input(state, **self.fused_norms("attn", normalized))
+        xs, ys, h = stream_input(xs, ys, attention(h), **self.fused_norms("ff", normalized))
+        return self.end(xs, ys, self.mlp(h))
+
+    def fused_norms(self, prefix: str, normalized: bool) -> dict:
+        """The fused op's arguments for sublayer ``prefix``: LN^X, LN^Y, LN^in (when ``normalized``), depth scale."""
+        return dict(scale=1.0 / self.depth_scale, x_norm=True, x_weight=self.weight(getattr(self, f"{prefix}_norm_x")),
+                    y_weight=self.weight(getattr(self, f"{prefix}_norm_y")), in_norm=normalized,
+                    in_weight=self.weight(getattr(self, f"{prefix}_norm")) if normalized else None,
+                    eps=self.config.layer_norm_eps)
 
     def input_scales(self, previous: "SiamesePostPreBlock | None") -> dict:
         """(scale of X, scale of Y) as each sublayer's input receives them (paper figure 6): X's scale is that of

@@ -26,7 +26,8 @@ def test_torch_path_matches_autograd_of_the_reference():
     assert not fused.available(torch.zeros(1)), "this test is for the torch path (no CUDA, no TRITON_INTERPRET)"
     seen = []
     assert fused.check(seen=seen) == []
-    assert len(seen) == 312  # 256 two-stream + 32 one-stream + 2 stream_add + 8 head_norm + 8 sinkhorn + 6 mix
+    # 256 two-stream + 32 one-stream + 32 block_input + 2 stream_add + 8 head_norm + 8 sinkhorn + 6 mix
+    assert len(seen) == 344
 
 
 def test_the_check_catches_a_wrong_head_norm_backward(monkeypatch):
@@ -174,6 +175,35 @@ def test_the_stream_ops_backward_reads_no_materialised_zero_gradient(model_type)
     assert now["kernels"] < then["kernels"]
     # pre's, in this tiny model, were empty; the two-stream layers' were (B, T, d) tensors
     assert now["bytes"] < then["bytes"] if model_type != "pre" else now["bytes"] == then["bytes"]
+
+
+@pytest.mark.parametrize("model_type", ["post_pre", "hybrid_pre"])
+def test_a_two_stream_block_takes_and_returns_its_stacked_state_whole(model_type, monkeypatch):
+    """The block's first op reads the stacked state (X, Y) in place and its backward writes the state's gradient
+    whole (``block_input``); the end-of-block add hands its gradient's halves on as they are. Against the same
+    blocks fed the state's two halves as separate views (the form before): one ``cat`` fewer a block after the
+    first (the join of the halves' gradients), fewer ``add`` (a half's gradients from two uses summed), fewer bytes
+    backward and in all, the same gradients."""
+    cfg = tiny_config(layer_norm_with_affine=True, fused_streams=True)
+    whole = costmodel.step_cost(cfg, model_type, microbatch=2, seq_len=16, autocast=None)
+    torch.manual_seed(0)
+    model = build_model(cfg, model_type)
+    ids = torch.randint(0, 96, (2, 16))
+    model(ids).logits.square().mean().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    monkeypatch.setattr(type(model.transformer.blocks[1]), "fused_input",
+                        lambda self, state, **kw: fused.stream_input(*self.split_streams(state), **kw))
+    halves = costmodel.step_cost(cfg, model_type, microbatch=2, seq_len=16, autocast=None)
+    model(ids).logits.square().mean().backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, grads[name], rtol=1e-5, atol=1e-6, msg=name)
+    new, old = whole["by_op"]["backward"], halves["by_op"]["backward"]
+    assert new["cat"][0] == old["cat"][0] - (cfg.n_layers - 1)
+    assert new["add"][0] < old["add"][0]
+    assert whole["layer"]["backward"]["bytes"] < halves["layer"]["backward"]["bytes"]
+    both = [sum(cost["layer"][phase]["bytes"] for phase in ("forward", "backward")) for cost in (whole, halves)]
+    assert both[0] < both[1]
 
 
 @pytest.mark.parametrize("change,words", [
