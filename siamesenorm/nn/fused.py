@@ -412,13 +412,14 @@ def _(x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has
 @torch.library.custom_op(f"{NAMESPACE}::stream_backward", mutates_args=())
 def _stream_backward(xs: Tensor, y1: Tensor, dxa: Tensor, dy1: Tensor, dh: Tensor, x_weight: Opt, y_weight: Opt,
                      gamma: Opt, in_weight: Opt, scale: float, x_norm: bool, in_norm: bool, has_h: bool, has_o: bool,
-                     has_x: bool, has_dy1: bool, has_dxa: bool, stacked: bool, eps: float, x_dtype: torch.dtype,
+                     has_x: bool, stacked: bool, eps: float, x_dtype: torch.dtype,
                      o_dtype: torch.dtype) -> List[Tensor]:
-    """(dX, dY, dO, dW^X, dW^Y, dgamma, dW^in), each empty where absent; ``dy1`` empty when not ``has_dy1``,
-    ``dxa`` when not ``has_dxa`` (no gradient arrived: the kernel reads none). ``stacked``: dY is the stacked
+    """(dX, dY, dO, dW^X, dW^Y, dgamma, dW^in), each empty where absent; ``dy1`` or ``dxa`` empty where no gradient
+    arrived for Y1 or XA (a stream that passed through: the kernel reads none). ``stacked``: dY is the stacked
     state's gradient (..., 2d) and dX empty. Without ``has_h`` (the end of a block): dO only."""
     weights = (x_weight, y_weight, gamma, in_weight)
     args = (xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_h, has_o, has_x, eps)
+    has_dy1, has_dxa = dy1.numel() > 0, has_x and dxa.numel() > 0
     shape = (dy1 if has_dy1 else y1).shape
     if _use_triton(y1 if y1.numel() else dy1):
         dx, dy, do, grads = _triton_backward(*args, x_dtype, o_dtype, has_dy1, has_dxa, stacked)
@@ -434,8 +435,8 @@ def _stream_backward(xs: Tensor, y1: Tensor, dxa: Tensor, dy1: Tensor, dh: Tenso
 
 @_stream_backward.register_fake
 def _(xs, y1, dxa, dy1, dh, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, has_o, has_x,
-      has_dy1, has_dxa, stacked, eps, x_dtype, o_dtype):
-    shape = (dy1 if has_dy1 else y1).shape
+      stacked, eps, x_dtype, o_dtype):
+    shape = (dy1 if dy1.numel() else y1).shape
     wide = (*shape[:-1], 2 * shape[-1])
     out = [dh.new_empty(shape, dtype=x_dtype) if has_x and has_h and not stacked else _empty(dh),
            dh.new_empty(wide if stacked else shape, dtype=x_dtype) if has_h else _empty(dh),
@@ -474,16 +475,14 @@ def _backward(ctx, da, db, dh, _dx1):
         d = ctx.shape[-1]
         dxa, dy1 = da[..., :d], da[..., d:]
         do = _stream_backward(_empty(da), _empty(da), dxa, dy1, _empty(da), *weights, scale, x_norm, in_norm, has_h,
-                              has_o, has_x, True, True, False, eps, x_dtype, o_dtype)[2]
+                              has_o, has_x, False, eps, x_dtype, o_dtype)[2]
         return (dxa, dy1, do, *(None,) * 10)
     # no gradient where a stream passed through (Y without O, X without O or LN^X): nothing to read
-    has_dxa = has_x and da is not None and da.numel() > 0
-    dxa = da if has_dxa else _empty(keep_y)
-    has_dy1 = db is not None and db.numel() > 0
-    dy1 = db if has_dy1 else _empty(keep_y)
+    dxa = da if has_x and da is not None and da.numel() else _empty(keep_y)
+    dy1 = db if db is not None and db.numel() else _empty(keep_y)
     dh = dh if dh is not None else torch.zeros(ctx.shape, dtype=x_dtype, device=keep_y.device)
     dx, dy, do, *dw = _stream_backward(keep_x, keep_y, dxa, dy1, dh, *weights, scale, x_norm, in_norm, has_h, has_o,
-                                       has_x, has_dy1, has_dxa, stacked, eps, x_dtype, o_dtype)
+                                       has_x, stacked, eps, x_dtype, o_dtype)
     grads = [g if g.numel() else None for g in dw]
     return (dx if has_x and not stacked else None, dy, do if has_o else None, *grads, None, None, None, None, None,
             None)
