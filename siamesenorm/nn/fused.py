@@ -95,7 +95,7 @@ if triton is not None:
         if HAS_O:
             o = tl.load(O + row * o_stride + cols, mask=mask, other=0.0).to(tl.float32)
             y = y + o
-        if HAS_O or COPY:  # COPY: the stacked state's streams written as tensors of their own, even unchanged
+        if HAS_O or COPY:  # COPY: the streams written as tensors of their own, even where unchanged
             tl.store(Y1 + row * out_stride + cols, y.to(Y1.dtype.element_ty), mask=mask)
         if HAS_X:
             xa = tl.load(X + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -237,8 +237,8 @@ def _flags(x, o, weights, x_norm, in_norm, has_h):
                 HAS_WIN=in_weight is not None, HAS_H=bool(has_h))
 
 
-def _triton_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps, stacked=False):
-    if stacked:  # y is the stacked state (X, Y): its halves read in place, both written as tensors of their own
+def _triton_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps, stacked=False, copy=False):
+    if stacked:  # y is the stacked state (X, Y): its halves read in place
         d = y.shape[-1] // 2
         state, s_stride = _rows(y, 2 * d)
         (xr, xs), (yr, ys) = (state[:, :d], s_stride), (state[:, d:], s_stride)
@@ -250,7 +250,7 @@ def _triton_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps, stacke
     orows, o_stride = _rows(o, d) if o is not None else (yr, 0)
     rows = yr.shape[0]
     new = functools.partial(torch.empty, dtype=y.dtype, device=y.device)
-    write_x, write_y = x is not None and (o is not None or x_norm or stacked), o is not None or stacked
+    write_x, write_y = x is not None and (o is not None or x_norm or copy), o is not None or copy
     if has_h:
         xa, y1, h, out_stride = new((rows, d)) if write_x else xr, new((rows, d)) if write_y else yr, new((rows, d)), d
     else:  # the end of a block: both streams written side by side
@@ -259,14 +259,14 @@ def _triton_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps, stacke
     write_x1 = x_norm and o is not None  # without O, X1 is X: the backward reads X
     x1 = new((rows, d)) if write_x1 else xa
     _forward_kernel[(rows,)](xr, yr, orows, xa, y1, h, x1, *(w if w is not None else yr for w in weights), xs, ys,
-                             o_stride, out_stride, d, float(scale), float(eps), COPY=bool(stacked),
+                             o_stride, out_stride, d, float(scale), float(eps), COPY=bool(copy),
                              BLOCK=triton.next_power_of_2(d), **_flags(x, o, weights, x_norm, in_norm, has_h))
     if not has_h:
         return stacked_out, None, None, None
     return (xa if write_x else None), (y1 if write_y else None), h, (x1 if write_x1 else None)
 
 
-def _torch_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps, stacked=False):
+def _torch_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps, stacked=False, copy=False):
     """The same outputs as the kernel, in plain torch (CPU, or CUDA without Triton)."""
     if stacked:
         d = y.shape[-1] // 2
@@ -279,9 +279,9 @@ def _torch_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps, stacked
                           in_norm=in_norm, in_weight=in_weight, eps=eps)
     changed = o is not None
     x1 = (x.float() + o.float() * scale).to(x.dtype) if x is not None and x_norm and changed else None
-    if x is not None:  # a stream that passes through unchanged is written only from the stacked state (a copy)
-        xa = xa if changed or x_norm else (x.clone() if stacked else None)
-    return xa, (y1 if changed else y.clone() if stacked else None), h, x1
+    if x is not None:  # a stream that passes through unchanged is written only when asked (``copy``)
+        xa = xa if changed or x_norm else (x.clone() if copy else None)
+    return xa, (y1 if changed else y.clone() if copy else None), h, x1
 
 
 def _norm_backward_torch(u, w, grad, eps):
@@ -388,24 +388,24 @@ NAMESPACE = "siamesenorm" if __name__ == "siamesenorm.nn.fused" else "siamesenor
 
 @torch.library.custom_op(f"{NAMESPACE}::stream_forward", mutates_args=())
 def _stream_forward(x: Opt, y: Tensor, o: Opt, x_weight: Opt, y_weight: Opt, gamma: Opt, in_weight: Opt,
-                    scale: float, x_norm: bool, in_norm: bool, has_h: bool, stacked: bool,
+                    scale: float, x_norm: bool, in_norm: bool, has_h: bool, stacked: bool, copy: bool,
                     eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """(XA, Y1, H, X1), each empty where not written (X, Y passing through unchanged, or no X; X1 only with LN^X
     after an add); without ``has_h``, (the stacked streams, empty, empty, empty). ``stacked``: ``x`` None and ``y``
-    the stacked state (X, Y), (..., 2d); XA and Y1 are then always written."""
+    the stacked state (X, Y), (..., 2d). ``copy``: XA and Y1 written even where the stream passes through."""
     run = _triton_forward if _use_triton(y) else _torch_forward
-    out = run(x, y, o, (x_weight, y_weight, gamma, in_weight), scale, x_norm, in_norm, has_h, eps, stacked)
+    out = run(x, y, o, (x_weight, y_weight, gamma, in_weight), scale, x_norm, in_norm, has_h, eps, stacked, copy)
     return tuple(t.reshape(*y.shape[:-1], t.shape[-1]) if t is not None else _empty(y) for t in out)
 
 
 @_stream_forward.register_fake
-def _(x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, stacked, eps):
+def _(x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, stacked, copy, eps):
     if not has_h:
         return y.new_empty(*y.shape[:-1], 2 * y.shape[-1]), _empty(y), _empty(y), _empty(y)
     has_x = x is not None or stacked
     shape = (*y.shape[:-1], y.shape[-1] // 2) if stacked else y.shape
-    return (y.new_empty(shape) if has_x and (o is not None or x_norm or stacked) else _empty(y),
-            y.new_empty(shape) if o is not None or stacked else _empty(y), y.new_empty(shape),
+    return (y.new_empty(shape) if has_x and (o is not None or x_norm or copy) else _empty(y),
+            y.new_empty(shape) if o is not None or copy else _empty(y), y.new_empty(shape),
             y.new_empty(shape) if has_x and x_norm and o is not None else _empty(y))
 
 
@@ -446,7 +446,7 @@ def _(xs, y1, dxa, dy1, dh, x_weight, y_weight, gamma, in_weight, scale, x_norm,
 
 
 def _setup(ctx, inputs, output):
-    x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, stacked, eps = inputs
+    x, y, o, x_weight, y_weight, gamma, in_weight, scale, x_norm, in_norm, has_h, stacked, _copy, eps = inputs
     a, b, _, x1 = output
     if stacked:  # the two streams are the halves of y, read in place in the backward too
         d = y.shape[-1] // 2
@@ -471,12 +471,12 @@ def _backward(ctx, da, db, dh, _dx1):
     scale, x_norm, in_norm, has_h, has_o, has_x, stacked, eps, x_dtype, o_dtype = ctx.args
     if not has_h:  # the end of a block: dX and dY are the stacked gradient's halves, as they are; one kernel for dO
         if da is None:  # the stacked state unused downstream: no gradient to pass on
-            return (None,) * 13
+            return (None,) * 14
         d = ctx.shape[-1]
         dxa, dy1 = da[..., :d], da[..., d:]
         do = _stream_backward(_empty(da), _empty(da), dxa, dy1, _empty(da), *weights, scale, x_norm, in_norm, has_h,
                               has_o, has_x, False, eps, x_dtype, o_dtype)[2]
-        return (dxa, dy1, do, *(None,) * 10)
+        return (dxa, dy1, do, *(None,) * 11)
     # no gradient where a stream passed through (Y without O, X without O or LN^X): nothing to read
     dxa = da if has_x and da is not None and da.numel() else _empty(keep_y)
     dy1 = db if db is not None and db.numel() else _empty(keep_y)
@@ -484,8 +484,7 @@ def _backward(ctx, da, db, dh, _dx1):
     dx, dy, do, *dw = _stream_backward(keep_x, keep_y, dxa, dy1, dh, *weights, scale, x_norm, in_norm, has_h, has_o,
                                        has_x, stacked, eps, x_dtype, o_dtype)
     grads = [g if g.numel() else None for g in dw]
-    return (dx if has_x and not stacked else None, dy, do if has_o else None, *grads, None, None, None, None, None,
-            None)
+    return (dx if has_x and not stacked else None, dy, do if has_o else None, *grads, *(None,) * 7)
 
 
 _stream_forward.register_autograd(_backward, setup_context=_setup)
@@ -500,11 +499,14 @@ def available(t: Tensor) -> bool:
 def stream_input(x: Optional[Tensor], y: Tensor, o: Optional[Tensor] = None, *, scale: float = 1.0,
                  x_norm: bool = False, x_weight: Optional[Tensor] = None, y_weight: Optional[Tensor] = None,
                  gamma: Optional[Tensor] = None, in_norm: bool = False, in_weight: Optional[Tensor] = None,
-                 eps: float = 1e-5) -> Tuple[Optional[Tensor], Tensor, Tensor]:
+                 eps: float = 1e-5, copy: bool = False) -> Tuple[Optional[Tensor], Tensor, Tensor]:
     """(XA, Y1, H) as in the module docstring, one op each way (``siamesenorm::stream_forward`` / ``_backward``).
-    ``x`` None: one stream, H = LN^in(LN^Y(Y1)) (Pre-Norm's add and norm; XA comes back None)."""
+    ``x`` None: one stream, H = LN^in(LN^Y(Y1)) (Pre-Norm's add and norm; XA comes back None). ``copy``: a stream
+    that passes through (no O, no LN^X) comes back as a tensor of its own, one write, so that where the caller uses
+    it again its gradient comes back into this op's backward (one read) instead of being summed with this op's own
+    by autograd (an add: read 2, write 1)."""
     a, b, h, _ = _stream_forward(x, y, o, x_weight, y_weight, gamma, in_weight, float(scale), bool(x_norm),
-                                 bool(in_norm), True, False, float(eps))
+                                 bool(in_norm), True, False, bool(copy), float(eps))
     return (None if x is None else a if a.numel() else x), (b if b.numel() else y), h
 
 
@@ -517,14 +519,15 @@ def block_input(state: Tensor, o: Optional[Tensor] = None, *, scale: float = 1.0
     (one write each, so that their gradients come back to this op), and the backward writes the state's gradient
     itself, dX and dY side by side: no ``cat`` joining two halves' gradients, no sum of two uses of a half."""
     a, b, h, _ = _stream_forward(None, state, o, x_weight, y_weight, gamma, in_weight, float(scale), bool(x_norm),
-                                 bool(in_norm), True, True, float(eps))
+                                 bool(in_norm), True, True, True, float(eps))
     return a, b, h
 
 
 def stream_add(x: Tensor, y: Tensor, o: Tensor, *, scale: float = 1.0) -> Tensor:
     """The end of a block: (X + O * s, Y + O) stacked on the feature axis, (..., 2d), the state OLMo's loop carries.
     Backward: the stacked gradient's halves are dX and dY as they are (views, no copy); one kernel writes dO."""
-    return _stream_forward(x, y, o, None, None, None, None, float(scale), False, False, False, False, 1e-5)[0]
+    return _stream_forward(x, y, o, None, None, None, None, float(scale), False, False, False, False, False,
+                           1e-5)[0]
 
 
 # ---- HybridNorm's per-head Q/K/V norms in one pass over the attention projection's output ------------------------
@@ -1013,11 +1016,19 @@ def stream_mix(h: Tensor, m: Tensor, b: Tensor, f: Tensor) -> Tensor:
 
 
 # ---- the check the tests and the GPU check run ---------------------------------------------------------------------
+def _used_again(outputs):
+    """(XA, Y1, H) with XA and Y1 each multiplied by 1.5 where they are the streams passed through: a second use,
+    whose gradient reaches the op's backward as dXA / dY1 (the reference's are the inputs themselves)."""
+    xa, y1, h = outputs
+    return (xa * 1.5 if xa is not None else None), y1 * 1.5, h
+
+
 def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol: float = 2e-5,
           seen: Optional[list] = None, dtype: torch.dtype = torch.float64) -> List[dict]:
-    """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32), of ``block_input`` (O, LN^X,
-    gamma, LN^in, weights or none: 32) and of ``stream_add``, on separate and stacked streams, of ``head_norm`` (with and without weights, as many k/v heads as q heads and fewer,
-    contiguous and strided: 8), of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8) and of
+    """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32; with ``copy``, O absent: one
+    and two streams, LN^X, LN^in: 6), of ``block_input`` (O, LN^X, gamma, LN^in, weights or none: 32) and of
+    ``stream_add``, on separate and stacked streams, of ``head_norm`` (with and without weights, as many k/v heads as
+    q heads and fewer, contiguous and strided: 8), of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8) and of
     ``stream_mix`` (4, 3 and 2 streams, stacked and widened from one stream: 6), forward and backward (a random
     projection of the outputs), against autograd of ``reference`` / ``head_reference`` / siamesenorm.nn.sinkhorn /
     ``mix_reference``, fp64 inputs on ``device`` (fp32 inside all); returns the combinations that
@@ -1117,6 +1128,20 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
                      [base, m, b, f], (n * d,)):
             bad.append(case)
     # last, so that the cases above draw the inputs they always drew
+    for two, x_norm, in_norm in itertools.product([True, False], repeat=3):
+        if not two and x_norm:
+            continue
+        leaves, x, y = streams(False)
+        x = x if two else None
+        kw = dict(x_norm=x_norm, x_weight=weight(x_norm), y_weight=weight(True), in_norm=in_norm,
+                  in_weight=weight(in_norm))
+        leaves = (leaves if two else leaves[1:]) + [t for t in kw.values() if isinstance(t, Tensor)]
+        case = dict(copy=True, two=two, x_norm=x_norm, in_norm=in_norm)
+        seen.append(case)
+        # the copies used again downstream (their gradients return into the op's backward), as pre uses Y
+        if not agree(lambda: _used_again(reference(x, y, None, **kw)),
+                     lambda: _used_again(stream_input(x, y, None, copy=True, **kw)), leaves, (d, d, d)):
+            bad.append(case)
     for has_o, x_norm, g, in_norm, w in itertools.product([True, False], repeat=5):
         (state,), x, y = streams(True)
         o = randn(*shape) if has_o else None

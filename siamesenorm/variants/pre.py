@@ -29,7 +29,8 @@ class FusedPreBlock(TopologyBlock):
 
     def update(self, x, attention):
         eps = self.config.layer_norm_eps
-        _, _, h = stream_input(None, x, y_weight=self.weight(self.attn_norm), eps=eps)
+        # x comes back as a copy: the MLP's op uses it again, and its gradient then returns into this op's backward
+        _, x, h = stream_input(None, x, y_weight=self.weight(self.attn_norm), eps=eps, copy=True)
         _, x, h = stream_input(None, x, attention(h), y_weight=self.weight(self.ff_norm), eps=eps)
         return x + self.mlp(h)
 
