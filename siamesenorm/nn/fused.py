@@ -29,6 +29,10 @@ normalisations in one kernel each way; backward keeps only the logits and replay
 kernel reads the carried streams and the sublayer's output once and writes the new streams once, where eager
 writes the mixed streams, the n scaled copies of F and their sum; backward keeps only the op's inputs.
 
+``pair_mix`` is SiameseNorm with stream mixing (``siamese_mixing``): the previous sublayer's add and the two streams'
+doubly stochastic mix, p from the streams in registers (static: a learned scalar; dynamic: per token, from the
+RMS-normalised concatenated streams), one kernel each way; backward keeps only the op's inputs and recomputes p.
+
 ``stream_input`` picks the Triton kernel for CUDA tensors when Triton is installed (or every device under
 ``TRITON_INTERPRET=1``, Triton's interpreter, which the tests use on CPU), and ``reference`` (plain torch, fp32
 inside, the same arithmetic) otherwise. ``check`` compares the op with autograd of ``reference`` for every flag
@@ -1015,6 +1019,307 @@ def stream_mix(h: Tensor, m: Tensor, b: Tensor, f: Tensor) -> Tensor:
     return _stream_mix_forward(h, m, b, f)
 
 
+# ---- SiameseNorm's stream mixing (siamese_mixing) with the residual add before it, one pass over the streams ------
+def pair_mix_reference(x: Tensor, y: Tensor, o: Optional[Tensor] = None, *, scale: float = 1.0, bias: Tensor,
+                       gate: Optional[Tensor] = None, proj: Optional[Tensor] = None,
+                       norm_weight: Optional[Tensor] = None, eps: float = 1e-5) -> Tuple[Tensor, Tensor]:
+    """SiameseNorm's two streams mixed by H = [[p, 1 - p], [1 - p, p]] (siamesenorm.nn.StreamMixing), after the
+    previous sublayer's output O is added (X1 = X + O * s, Y1 = Y + O; without O, X1 = X, Y1 = Y):
+
+        p = sigmoid(b)                                          (static: ``proj`` None)
+        p = sigmoid(b + a * (RMSNorm_w([X1, Y1]) . phi))       (dynamic, per token; a = ``gate``, phi = ``proj``)
+        XM = p X1 + (1 - p) Y1 = Y1 + p (X1 - Y1),   YM = X1 - p (X1 - Y1)
+
+    fp32 inside (p too), outputs in the streams' dtype."""
+    dtype = x.dtype
+    x1 = x.float() + o.float() * scale if o is not None else x.float()
+    y1 = y.float() + o.float() if o is not None else y.float()
+    z = bias.float()
+    if proj is not None:
+        h = _rms(torch.cat([x1, y1], -1), norm_weight, eps)
+        z = z + gate.float() * (h @ proj.float()).unsqueeze(-1)
+    p = torch.sigmoid(z)
+    diff = x1 - y1
+    return (y1 + p * diff).to(dtype), (x1 - p * diff).to(dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _pair_coefficient(x1, y1, b, a, px, py, wx, wy, d, eps, DYNAMIC: tl.constexpr, HAS_W: tl.constexpr):
+        """(p, r, t): the mix's share, the rstd of [X1, Y1] and the projection t = RMSNorm_w([X1, Y1]) . phi."""
+        z = b
+        r = 0.0
+        t = 0.0
+        if DYNAMIC:
+            r = 1.0 / tl.sqrt((tl.sum(x1 * x1, axis=0) + tl.sum(y1 * y1, axis=0)) / (2 * d) + eps)
+            if HAS_W:
+                t = (tl.sum(x1 * wx * px, axis=0) + tl.sum(y1 * wy * py, axis=0)) * r
+            else:
+                t = (tl.sum(x1 * px, axis=0) + tl.sum(y1 * py, axis=0)) * r
+            z = z + a * t
+        return 1.0 / (1.0 + tl.exp(-z)), r, t
+
+    @triton.jit
+    def _pair_load(X, Y, O, row, x_stride, y_stride, o_stride, cols, m, scale, HAS_O: tl.constexpr):
+        x1 = tl.load(X + row * x_stride + cols, mask=m, other=0.0).to(tl.float32)
+        y1 = tl.load(Y + row * y_stride + cols, mask=m, other=0.0).to(tl.float32)
+        if HAS_O:
+            o = tl.load(O + row * o_stride + cols, mask=m, other=0.0).to(tl.float32)
+            x1 = x1 + o * scale
+            y1 = y1 + o
+        return x1, y1
+
+    @triton.jit
+    def _pair_params(B, A, P, W, cols, mask, d, DYNAMIC: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+        b = tl.load(B).to(tl.float32)
+        a = 0.0
+        zero = tl.zeros([BLOCK], tl.float32)
+        px, py, wx, wy = zero, zero, zero, zero
+        if DYNAMIC:
+            a = tl.load(A).to(tl.float32)
+            px = tl.load(P + cols, mask=mask, other=0.0).to(tl.float32)
+            py = tl.load(P + d + cols, mask=mask, other=0.0).to(tl.float32)
+            if HAS_W:
+                wx = tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+                wy = tl.load(W + d + cols, mask=mask, other=0.0).to(tl.float32)
+        return b, a, px, py, wx, wy
+
+    @triton.jit
+    def _pair_forward_kernel(X, Y, O, XM, YM, B, A, P, W, x_stride, y_stride, o_stride, d, scale, eps,
+                             HAS_O: tl.constexpr, DYNAMIC: tl.constexpr, HAS_W: tl.constexpr, BLOCK: tl.constexpr):
+        """One row: X1, Y1 (with O), p from them in registers, XM and YM written once each."""
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < d
+        b, a, px, py, wx, wy = _pair_params(B, A, P, W, cols, mask, d, DYNAMIC, HAS_W, BLOCK)
+        x1, y1 = _pair_load(X, Y, O, row, x_stride, y_stride, o_stride, cols, mask, scale, HAS_O)
+        p, _r, _t = _pair_coefficient(x1, y1, b, a, px, py, wx, wy, d, eps, DYNAMIC, HAS_W)
+        diff = x1 - y1
+        tl.store(XM + row * d + cols, (y1 + p * diff).to(XM.dtype.element_ty), mask=mask)
+        tl.store(YM + row * d + cols, (x1 - p * diff).to(YM.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def _pair_backward_kernel(X, Y, O, DXM, DYM, DX, DY, DO, B, A, P, W, PB, PA, PP, PW, x_stride, y_stride,
+                              o_stride, dxy_stride, rows, d, scale, eps, HAS_O: tl.constexpr, DYNAMIC: tl.constexpr,
+                              HAS_W: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr, BLOCK: tl.constexpr):
+        """Rows of a program: X1, Y1 and p recomputed from the op's inputs; dX, dY (and dO) written once; the
+        parameters' gradients summed over the program's rows (b, a: scalars; phi, w: 2d wide)."""
+        pid = tl.program_id(0)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < d
+        b, a, px, py, wx, wy = _pair_params(B, A, P, W, cols, mask, d, DYNAMIC, HAS_W, BLOCK)
+        acc_b = 0.0
+        acc_a = 0.0
+        acc_px = tl.zeros([BLOCK], tl.float32)
+        acc_py = tl.zeros([BLOCK], tl.float32)
+        acc_wx = tl.zeros([BLOCK], tl.float32)
+        acc_wy = tl.zeros([BLOCK], tl.float32)
+        for i in range(ROWS_PER_PROGRAM):
+            row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
+            m = mask & (row < rows)
+            x1, y1 = _pair_load(X, Y, O, row, x_stride, y_stride, o_stride, cols, m, scale, HAS_O)
+            dxm = tl.load(DXM + row * d + cols, mask=m, other=0.0).to(tl.float32)
+            dym = tl.load(DYM + row * d + cols, mask=m, other=0.0).to(tl.float32)
+            p, r, t = _pair_coefficient(x1, y1, b, a, px, py, wx, wy, d, eps, DYNAMIC, HAS_W)
+            dz = tl.sum((x1 - y1) * (dxm - dym), axis=0) * p * (1.0 - p)
+            dz = tl.where(row < rows, dz, 0.0)
+            dx1 = p * dxm + (1.0 - p) * dym
+            dy1 = (1.0 - p) * dxm + p * dym
+            acc_b += dz
+            if DYNAMIC:
+                acc_a += dz * t
+                dt = a * dz
+                xh, yh = x1 * r, y1 * r
+                gx, gy = dt * px, dt * py
+                if HAS_W:
+                    acc_px += dt * xh * wx
+                    acc_py += dt * yh * wy
+                    acc_wx += gx * xh
+                    acc_wy += gy * yh
+                    gx, gy = gx * wx, gy * wy
+                else:
+                    acc_px += dt * xh
+                    acc_py += dt * yh
+                mean = (tl.sum(gx * xh, axis=0) + tl.sum(gy * yh, axis=0)) / (2 * d)
+                dx1 += r * (gx - xh * mean)
+                dy1 += r * (gy - yh * mean)
+            tl.store(DX + row * dxy_stride + cols, dx1.to(DX.dtype.element_ty), mask=m)
+            tl.store(DY + row * dxy_stride + cols, dy1.to(DY.dtype.element_ty), mask=m)
+            if HAS_O:
+                tl.store(DO + row * d + cols, (dx1 * scale + dy1).to(DO.dtype.element_ty), mask=m)
+        tl.store(PB + pid, acc_b)
+        if DYNAMIC:
+            tl.store(PA + pid, acc_a)
+            tl.store(PP + pid * 2 * d + cols, acc_px, mask=mask)
+            tl.store(PP + pid * 2 * d + d + cols, acc_py, mask=mask)
+            if HAS_W:
+                tl.store(PW + pid * 2 * d + cols, acc_wx, mask=mask)
+                tl.store(PW + pid * 2 * d + d + cols, acc_wy, mask=mask)
+
+
+def _pair_streams(x: Optional[Tensor], y: Tensor, stacked: bool) -> Tuple[Tensor, Tensor, int]:
+    """(X, Y, d): the two streams, the halves of ``y`` when ``stacked``."""
+    if stacked:
+        d = y.shape[-1] // 2
+        return y[..., :d], y[..., d:], d
+    return x, y, y.shape[-1]
+
+
+def _pair_forward_impl(x, y, o, bias, gate, proj, norm_weight, scale, stacked, eps):
+    x, y, d = _pair_streams(x, y, stacked)
+    if not _use_triton(y):
+        return pair_mix_reference(x, y, o, scale=scale, bias=bias, gate=gate, proj=proj, norm_weight=norm_weight,
+                                  eps=eps)
+    xr, xs = _rows(x, d)
+    yr, ys = _rows(y, d)
+    orows, o_stride = _rows(o, d) if o is not None else (yr, 0)
+    rows = yr.shape[0]
+    xm, ym = (torch.empty((rows, d), dtype=y.dtype, device=y.device) for _ in range(2))
+    dynamic = proj is not None
+    _pair_forward_kernel[(rows,)](xr, yr, orows, xm, ym, bias, gate if dynamic else bias, proj if dynamic else bias,
+                                  norm_weight if norm_weight is not None else bias, xs, ys, o_stride, d, float(scale),
+                                  float(eps), HAS_O=o is not None, DYNAMIC=dynamic, HAS_W=norm_weight is not None,
+                                  BLOCK=triton.next_power_of_2(d))
+    return xm.view(y.shape), ym.view(y.shape)
+
+
+def _pair_backward_torch(x, y, o, dxm, dym, bias, gate, proj, norm_weight, scale, eps):
+    """The kernel's backward in plain torch, written out: (dX, dY, dO, db, da, dphi, dw), fp32."""
+    x1 = x.float() + o.float() * scale if o is not None else x.float()
+    y1 = y.float() + o.float() if o is not None else y.float()
+    dxm, dym = dxm.float(), dym.float()
+    z = bias.float()
+    grads = [None, None, None]
+    if proj is not None:
+        u = torch.cat([x1, y1], -1)
+        r = torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+        u_hat = u * r
+        w = norm_weight.float() if norm_weight is not None else None
+        phi = proj.float()
+        t = ((u_hat * w if w is not None else u_hat) @ phi).unsqueeze(-1)
+        z = z + gate.float() * t
+    p = torch.sigmoid(z)
+    dz = ((x1 - y1) * (dxm - dym)).sum(-1, keepdim=True) * p * (1 - p)
+    dx1, dy1 = p * dxm + (1 - p) * dym, (1 - p) * dxm + p * dym
+    if proj is not None:
+        grads[0] = (dz * t).sum()
+        dt = gate.float() * dz
+        g = dt * phi
+        grads[1] = (dt * (u_hat * w if w is not None else u_hat)).reshape(-1, phi.shape[0]).sum(0)
+        if w is not None:
+            grads[2] = (g * u_hat).reshape(-1, phi.shape[0]).sum(0)
+            g = g * w
+        du = r * (g - u_hat * (g * u_hat).mean(-1, keepdim=True))
+        d = x1.shape[-1]
+        dx1, dy1 = dx1 + du[..., :d], dy1 + du[..., d:]
+    do = dx1 * scale + dy1 if o is not None else None
+    return dx1, dy1, do, dz.sum(), *grads
+
+
+def _pair_backward_impl(x, y, o, dxm, dym, bias, gate, proj, norm_weight, scale, stacked, eps):
+    """(dX, dY, dO, db, da, dphi, dw): dX, dY in the streams' dtype (``stacked``: the state's gradient as dY, dX
+    None), dO in O's, the parameters' in fp32."""
+    x, y, d = _pair_streams(x, y, stacked)
+    if not _use_triton(y):
+        dx, dy, do, *grads = _pair_backward_torch(x, y, o, dxm, dym, bias, gate, proj, norm_weight, scale, eps)
+        if stacked:
+            dx, dy = None, torch.cat([dx, dy], -1)
+        return dx, dy, do, *grads
+    xr, xs = _rows(x, d)
+    yr, ys = _rows(y, d)
+    orows, o_stride = _rows(o, d) if o is not None else (yr, 0)
+    rows = yr.shape[0]
+    dxm, dym = dxm.reshape(rows, d).contiguous(), dym.reshape(rows, d).contiguous()
+    new = functools.partial(torch.empty, dtype=y.dtype, device=y.device)
+    if stacked:
+        dxy = new((rows, 2 * d))
+        dx, dy, dxy_stride = dxy[:, :d], dxy[:, d:], 2 * d
+    else:
+        dx, dy, dxy_stride = new((rows, d)), new((rows, d)), d
+    do = torch.empty((rows, d), dtype=o.dtype, device=y.device) if o is not None else dx
+    per = min(64, rows)
+    programs = triton.cdiv(rows, per)
+    dynamic = proj is not None
+    f32 = functools.partial(torch.empty, dtype=torch.float32, device=y.device)
+    pb, pa = f32(programs), f32(programs)
+    pp = f32((programs, 2 * d)) if dynamic else pb
+    pw = f32((programs, 2 * d)) if dynamic and norm_weight is not None else pb
+    _pair_backward_kernel[(programs,)](
+        xr, yr, orows, dxm, dym, dx, dy, do, bias, gate if dynamic else bias, proj if dynamic else bias,
+        norm_weight if norm_weight is not None else bias, pb, pa, pp, pw, xs, ys, o_stride, dxy_stride, rows, d,
+        float(scale), float(eps), HAS_O=o is not None, DYNAMIC=dynamic, HAS_W=norm_weight is not None,
+        ROWS_PER_PROGRAM=per, BLOCK=triton.next_power_of_2(d))
+    grads = (pa.sum(), pp.sum(0), pw.sum(0) if norm_weight is not None else None) if dynamic else (None,) * 3
+    do = do.view(o.shape) if o is not None else None
+    if stacked:
+        return None, dxy.view(*y.shape[:-1], 2 * d), do, pb.sum(), *grads
+    return dx.view(x.shape), dy.view(y.shape), do, pb.sum(), *grads
+
+
+@torch.library.custom_op(f"{NAMESPACE}::pair_mix_forward", mutates_args=())
+def _pair_mix_forward(x: Opt, y: Tensor, o: Opt, bias: Tensor, gate: Opt, proj: Opt, norm_weight: Opt, scale: float,
+                      stacked: bool, eps: float) -> Tuple[Tensor, Tensor]:
+    """(XM, YM); ``stacked``: ``x`` None and ``y`` the stacked state (X, Y), (..., 2d)."""
+    xm, ym = _pair_forward_impl(x, y, o, bias, gate, proj, norm_weight, scale, stacked, eps)
+    return xm.contiguous(), ym.contiguous()
+
+
+@_pair_mix_forward.register_fake
+def _(x, y, o, bias, gate, proj, norm_weight, scale, stacked, eps):
+    shape = (*y.shape[:-1], y.shape[-1] // 2) if stacked else y.shape
+    return y.new_empty(shape), y.new_empty(shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::pair_mix_backward", mutates_args=())
+def _pair_mix_backward(x: Opt, y: Tensor, o: Opt, dxm: Tensor, dym: Tensor, bias: Tensor, gate: Opt, proj: Opt,
+                       norm_weight: Opt, scale: float, stacked: bool, eps: float) -> List[Tensor]:
+    """(dX, dY, dO, db, da, dphi, dw), each in its input's dtype and empty where absent; ``stacked``: dY is the
+    state's gradient (..., 2d) and dX empty."""
+    out = _pair_backward_impl(x, y, o, dxm, dym, bias, gate, proj, norm_weight, scale, stacked, eps)
+    like = (x, y, o, bias, gate, proj, norm_weight)
+    return [g.to(t.dtype).contiguous() if g is not None else _empty(y) for g, t in zip(out, like)]
+
+
+@_pair_mix_backward.register_fake
+def _(x, y, o, dxm, dym, bias, gate, proj, norm_weight, scale, stacked, eps):
+    return [t.new_empty(t.shape) if t is not None and not (stacked and i == 0) else _empty(y)
+            for i, t in enumerate((x, y, o, bias, gate, proj, norm_weight))]
+
+
+def _pair_setup(ctx, inputs, output):
+    x, y, o, bias, gate, proj, norm_weight, scale, stacked, eps = inputs
+    ctx.save_for_backward(x, y, o, bias, gate, proj, norm_weight)  # the inputs only: X1, Y1, p recomputed
+    ctx.args = (scale, stacked, eps)
+
+
+def _pair_backward(ctx, dxm, dym):
+    x, y, o, bias, gate, proj, norm_weight = ctx.saved_tensors
+    scale, stacked, eps = ctx.args
+    dxm = dxm if dxm is not None else torch.zeros_like(dym)
+    dym = dym if dym is not None else torch.zeros_like(dxm)
+    grads = _pair_mix_backward(x, y, o, dxm, dym, bias, gate, proj, norm_weight, scale, stacked, eps)
+    grads = [g if g.numel() else None for g in grads]
+    return (*grads, None, None, None)
+
+
+_pair_mix_forward.register_autograd(_pair_backward, setup_context=_pair_setup)
+
+
+def pair_mix(x: Optional[Tensor], y: Tensor, o: Optional[Tensor] = None, *, scale: float = 1.0, bias: Tensor,
+             gate: Optional[Tensor] = None, proj: Optional[Tensor] = None, norm_weight: Optional[Tensor] = None,
+             eps: float = 1e-5, stacked: bool = False) -> Tuple[Tensor, Tensor]:
+    """SiameseNorm's stream mixing with the residual add before it (``pair_mix_reference``'s arithmetic) as one op
+    each way (``siamesenorm::pair_mix_forward`` / ``_backward``): one kernel reads X, Y (and O) once, computes p in
+    registers and writes the mixed streams once; backward keeps only the op's inputs and recomputes X1, Y1 and p.
+    Eager, StreamMixing writes the concatenated streams, their norm, the products p X, (1 - p) Y and their sums.
+    ``stacked``: ``x`` None and ``y`` the stacked state (X, Y) a block receives (halves read in place, its
+    gradient written whole). Static mixing: ``proj`` None (only ``bias``)."""
+    if (proj is None) != (gate is None):
+        raise ValueError("pair_mix: the dynamic form takes both gate and proj, the static form neither.")
+    return _pair_mix_forward(x, y, o, bias, gate, proj, norm_weight, float(scale), bool(stacked), float(eps))
+
+
 # ---- the check the tests and the GPU check run ---------------------------------------------------------------------
 def _used_again(outputs):
     """(XA, Y1, H) with XA and Y1 each multiplied by 1.5 where they are the streams passed through: a second use,
@@ -1028,7 +1333,8 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
     """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32; with ``copy``, O absent: one
     and two streams, LN^X, LN^in: 6), of ``block_input`` (O, LN^X, gamma, LN^in, weights or none: 32) and of
     ``stream_add``, on separate and stacked streams, of ``head_norm`` (with and without weights, as many k/v heads as
-    q heads and fewer, contiguous and strided: 8), of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8) and of
+    q heads and fewer, contiguous and strided: 8), of ``pair_mix`` (with and without O, static and dynamic with and
+    without the norm's weight, separate and stacked streams: 12), of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8) and of
     ``stream_mix`` (4, 3 and 2 streams, stacked and widened from one stream: 6), forward and backward (a random
     projection of the outputs), against autograd of ``reference`` / ``head_reference`` / siamesenorm.nn.sinkhorn /
     ``mix_reference``, fp64 inputs on ``device`` (fp32 inside all); returns the combinations that
@@ -1151,5 +1457,19 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
         case = dict(block_input=True, has_o=has_o, x_norm=x_norm, g=g, in_norm=in_norm, weights=w)
         seen.append(case)
         if not agree(lambda: reference(x, y, o, **kw), lambda: block_input(state, o, **kw), leaves, (d, d, d)):
+            bad.append(case)
+    for has_o, form, stacked in itertools.product([True, False], ["static", "dynamic", "dynamic+w"], [False, True]):
+        leaves, x, y = streams(stacked)
+        o = randn(*shape) if has_o else None
+        kw = dict(scale=0.37, bias=(0.8 + randn((), grad=False)).requires_grad_())
+        if form != "static":  # a gate far above its init, so that the projection's gradients are not tiny
+            kw.update(gate=(0.5 * randn((), grad=False)).requires_grad_(), proj=randn(2 * d),
+                      norm_weight=(1 + 0.3 * randn(2 * d, grad=False)).requires_grad_() if form == "dynamic+w" else None)
+        leaves = leaves + [t for t in (o, *kw.values()) if isinstance(t, Tensor)]
+        case = dict(pair_mix=True, has_o=has_o, form=form, stacked=stacked)
+        seen.append(case)
+        fused_call = (lambda: pair_mix(None, leaves[0], o, stacked=True, **kw)) if stacked else \
+            (lambda: pair_mix(x, y, o, **kw))
+        if not agree(lambda: pair_mix_reference(x, y, o, **kw), fused_call, leaves, (d, d)):
             bad.append(case)
     return bad

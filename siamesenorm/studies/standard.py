@@ -2,8 +2,11 @@
 Modifications Still Do Not Transfer at 1-3B", arXiv 2605.20798, at CPU scale):
 
 1. each configuration (a MODEL_TYPE with its knobs, at one shape and schedule) at its **best learning rate** from
-   the sweep: the rate with the lowest mean validation PPL over its seeds, a rate where any seed diverged being
-   out;
+   the sweep: the rate with the lowest mean validation PPL over the seeds that every eligible rate ran (the sweep's
+   seeds; all of a rate's seeds where the rates share none), a rate where any seed diverged being out. Seeds added
+   later at the chosen rate (to reach three) do not take part in the choice: they would otherwise compare that rate
+   by another sample than the others, and a rate whose added seeds came out worse would lose the choice to a rate
+   with one seed, which then carries no verdict;
 2. **at least three seeds** at that rate, or no verdict ("not judged: n seeds");
 3. the **seed noise floor**: each configuration's seed sd at its best rate, and their pooled sd;
 4. every comparison against Pre-Norm at the same shape and schedule (``pre``, each at its own best rate) by
@@ -167,12 +170,17 @@ def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_see
     for key, rates in sorted(grid.items()):
         summaries = {lr: _rate_summary(seeds) for lr, seeds in sorted(rates.items())}
         eligible = {lr: s for lr, s in summaries.items() if s["mean"] is not None}
-        best = min(eligible, key=lambda lr: eligible[lr]["mean"]) if eligible else None
+        shared = set.intersection(*(set(s["seeds"]) for s in eligible.values())) if eligible else set()
+        # the mean over the seeds every eligible rate ran (all of a rate's seeds where they share none)
+        chosen_on = {lr: statistics.mean(rates[lr][k]["ppl"] for k in shared) if shared else s["mean"]
+                     for lr, s in eligible.items()}
+        best = min(chosen_on, key=chosen_on.get) if eligible else None
         tolerance = [] if best is None else [
             {"lr": lr, "multiple": lr / best, "seeds": len(s["seeds"]), "diverged": s["diverged"],
              "not_converged": s["not_converged"], "loss_spikes": s["loss_spikes"]} for lr, s in summaries.items() if lr > best]
         configurations[key] = {"rates": {f"{lr:g}": s for lr, s in summaries.items()},
                                "best_lr": best, "best": summaries.get(best), "tolerance": tolerance,
+                               "chosen_on_seeds": sorted(shared) if shared else "all",
                                "baseline": baseline_key(key, knobs_of.get(key, ()))}
     judged = [c["best"]["sd"] for c in configurations.values()
               if c["best"] and len(c["best"]["seeds"]) >= min_seeds and c["best"]["sd"] is not None]

@@ -21,7 +21,7 @@ from olmo.config import ModelConfig
 from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
 from torch.utils.checkpoint import checkpoint
 
-from ..nn.fused import block_input, stream_add, stream_input
+from ..nn.fused import block_input, pair_mix, stream_add, stream_input
 from ..nn.topologies import DEPTH_SCALING_FORMS, MIXING_FORMS, StackedStreams, StreamMixing, depth_divisor
 from .spec import Knob, knob
 
@@ -331,6 +331,16 @@ class TwoStreamBlock(TopologyBlock):
             return xs, ys
         xs, ys = self.cheap(mixing, xs, ys)
         return (self.norm(getattr(self, x_norm), xs) if x_norm else xs), ys
+
+    def fused_mix(self, prefix: str, xs: Optional[torch.Tensor], ys: torch.Tensor, o: Optional[torch.Tensor] = None):
+        """Sublayer ``prefix``'s stream mixing through the fused op (``pair_mix``), the previous sublayer's add
+        X + O / c, Y + O folded in; ``xs`` None: ``ys`` is the stacked state the block received (read in place)."""
+        mixing = getattr(self, prefix + "_mix")
+        dynamic = mixing.form == "dynamic"
+        return pair_mix(xs, ys, o, scale=1.0 / self.depth_scale, bias=mixing.bias,
+                        gate=mixing.gate if dynamic else None, proj=mixing.proj if dynamic else None,
+                        norm_weight=self.weight(mixing.norm) if dynamic else None, eps=self.config.layer_norm_eps,
+                        stacked=xs is None)
 
     def fused_input(self, state: torch.Tensor, **kw):
         """The block's first fused op, (XA, Y1, H): on the stacked state itself (``block_input``: its gradient written

@@ -16,7 +16,9 @@ After the last layer: output = LN_final(LN^out_X(X) + LN^out_Y(Y)) with LN_final
 With ``siamese_mixing`` (not in the paper; its appendix A.1 names the omission): before each sublayer
 [X; Y] <- H [X; Y], H doubly stochastic (siamesenorm.nn.StreamMixing); before the MLP the mix comes before
 LN^X_attn, which restores X's bound; before the attention no norm on X follows, so X <- LN^mix(X) (``attn_mix_norm_x``).
-gamma stands in for the norm HybridNorm omits after the MLP (section 4.2); it is always a parameter.
+With ``model.fused_streams`` the mix is one op (siamesenorm.nn.fused.pair_mix, the attention's add folded into the
+MLP's mix) before the sublayer's fused norms. gamma stands in for the norm HybridNorm omits after the MLP (section
+4.2); it is always a parameter.
 
       X --*gamma--(+)--Attn--+--(+R/c)--LN^X--(+)--LN^in--MLP--+--(+O/c)--> X
                    ^         |                 ^               |
@@ -60,7 +62,7 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
         nn.init.ones_(self.gamma)
 
     def update(self, x, attention):
-        if self.fused_streams and self.mixing == "none":
+        if self.fused_streams:
             return self.fused_update(x, attention)
         xs, ys = self.split_streams(x)
         xs, ys = self.mix("attn", xs, ys, x_norm="attn_mix_norm_x")
@@ -77,15 +79,27 @@ class SiameseHybridPreBlock(TwoStreamBlock, QKVHeadNormAttention):
 
     def fused_update(self, state, attention):
         """The same equations through the fused ops (model.fused_streams): one op before each sublayer (the first on
-        the stacked state itself, ``fused_input``, which hands X and Y on), one after the MLP."""
+        the stacked state itself, ``fused_input``, which hands X and Y on), one after the MLP. With stream mixing,
+        each mix is one op more before the sublayer's (``fused_mix``, the attention's add folded into the MLP's
+        mix). After the MLP's mix the op writes the Y it passes on (``copy``: its second gradient comes back into
+        it); after the attention's it does not: the MLP's mix keeps its input streams for its backward, so a copy
+        would be one more (B, T, d) tensor kept a layer, for one pass saved."""
         eps = self.config.layer_norm_eps
-        xs, ys, h = self.fused_input(state, gamma=self.gamma, y_weight=self.weight(self.attn_norm_y), eps=eps)
+        y_weight = self.weight(self.attn_norm_y)
+        if hasattr(self, "attn_mix"):  # X <- LN^mix(X) right after the mix: the op's LN^X
+            xs, ys = self.fused_mix("attn", None, state)
+            xs, ys, h = stream_input(xs, ys, x_norm=True, x_weight=self.weight(self.attn_mix_norm_x),
+                                     gamma=self.gamma, y_weight=y_weight, eps=eps)
+        else:
+            xs, ys, h = self.fused_input(state, gamma=self.gamma, y_weight=y_weight, eps=eps)
         r = attention(h)
+        if hasattr(self, "ff_mix"):
+            (xs, ys), r = self.fused_mix("ff", xs, ys, r), None
         normalized = knob(self.config, "siamese_normalized_input")
         xs, ys, m = stream_input(xs, ys, r, scale=1.0 / self.depth_scale, x_norm=True,
                                  x_weight=self.weight(self.attn_norm_x), y_weight=self.weight(self.ff_norm_y),
                                  in_norm=normalized, in_weight=self.weight(self.ff_norm) if normalized else None,
-                                 eps=eps)
+                                 eps=eps, copy=r is None)
         return self.end(xs, ys, self.mlp(m))
 
     def input_scales(self, previous: "SiameseHybridPreBlock | None") -> dict:

@@ -28,7 +28,9 @@ pre_norm(x) and post_norm(y).)
 With ``siamese_mixing`` (not in the paper; its appendix A.1 names the omission): before each sublayer
 [X; Y] <- H [X; Y], H doubly stochastic (siamesenorm.nn.StreamMixing), then the sublayer as above; "before_sublayer"'s
 LN^X follows the mix and restores X's bound; with "after_addition" X <- LN^mix(X) right after the mix
-(``attn_mix_norm_x`` / ``ff_mix_norm_x``), as the sublayer's input would otherwise read an unbounded X.
+(``attn_mix_norm_x`` / ``ff_mix_norm_x``), as the sublayer's input would otherwise read an unbounded X. With
+``model.fused_streams`` ("before_sublayer") the mix is one op (siamesenorm.nn.fused.pair_mix, the attention's add
+folded into the MLP's mix) before the sublayer's fused norms.
 
 Reductions (section 3, tested for both placements): with every LN^X scale zeroed (out_norm_x included) this is
 Pre-Norm (RMSNorm, normalized input on); with every LN^Y scale zeroed it is Post-Norm with the same placement
@@ -68,7 +70,7 @@ class SiamesePostPreBlock(TwoStreamBlock):
     def update(self, x, attention):
         normalized = knob(self.config, "siamese_normalized_input")
         position = knob(self.config, "post_pre_x_norm_position")
-        if self.fused_streams and position == "before_sublayer" and self.mixing == "none":
+        if self.fused_streams and position == "before_sublayer":
             return self.fused_update(x, attention, normalized)
         xs, ys = self.split_streams(x)
         for branch, prefix in ((attention, "attn"), (self.mlp, "ff")):
@@ -83,8 +85,20 @@ class SiamesePostPreBlock(TwoStreamBlock):
         """LN^X before each sublayer through the fused ops (model.fused_streams): the attention's input fusion on
         the stacked state itself (``fused_input``), the attention output's add fused with the MLP's input fusion,
         and the MLP output's add."""
-        xs, ys, h = self.fused_input(state, **self.fused_norms("attn", normalized))
-        xs, ys, h = stream_input(xs, ys, attention(h), **self.fused_norms("ff", normalized))
+        # stream mixing: the mix one op before the sublayer's (``fused_mix``); the op after the MLP's mix writes the Y
+        # it passes on (``copy``), the op after the attention's does not (the MLP's mix keeps its input streams, so
+        # a copy would be one more tensor kept a layer, for one pass saved)
+        if hasattr(self, "attn_mix"):
+            xs, ys = self.fused_mix("attn", None, state)
+            xs, ys, h = stream_input(xs, ys, **self.fused_norms("attn", normalized))
+        else:
+            xs, ys, h = self.fused_input(state, **self.fused_norms("attn", normalized))
+        r = attention(h)
+        if hasattr(self, "ff_mix"):  # the attention's add folded into the mix
+            xs, ys = self.fused_mix("ff", xs, ys, r)
+            xs, ys, h = stream_input(xs, ys, copy=True, **self.fused_norms("ff", normalized))
+        else:
+            xs, ys, h = stream_input(xs, ys, r, **self.fused_norms("ff", normalized))
         return self.end(xs, ys, self.mlp(h))
 
     def fused_norms(self, prefix: str, normalized: bool) -> dict:

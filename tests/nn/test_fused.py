@@ -27,7 +27,8 @@ def test_torch_path_matches_autograd_of_the_reference():
     seen = []
     assert fused.check(seen=seen) == []
     # 256 two-stream + 32 one-stream + 6 with copy + 32 block_input + 2 stream_add + 8 head_norm + 8 sinkhorn + 6 mix
-    assert len(seen) == 350
+    # + 12 pair_mix
+    assert len(seen) == 362
 
 
 def test_the_check_catches_a_wrong_head_norm_backward(monkeypatch):
@@ -40,6 +41,19 @@ def test_the_check_catches_a_wrong_head_norm_backward(monkeypatch):
     monkeypatch.setattr(fused, "_head_backward_impl", wrong)
     bad = fused.check()
     assert [b for b in bad if b.get("head_norm")] == [b for b in bad if b.get("affine")] and len(bad) == 4
+
+
+def test_the_check_catches_a_wrong_pair_mix_backward(monkeypatch):
+    """SiameseNorm's stream mixing with the mixed streams' gradients swapped (dXM taken for dYM): exactly the 12
+    pair_mix combinations must fail, whatever the form (p is far from 1/2 in every one)."""
+    original = fused._pair_backward_torch
+
+    def swapped(x, y, o, dxm, dym, *args):
+        return original(x, y, o, dym, dxm, *args)
+
+    monkeypatch.setattr(fused, "_pair_backward_torch", swapped)
+    bad = fused.check()
+    assert len(bad) == 12 and all(b.get("pair_mix") for b in bad), bad
 
 
 def test_the_check_catches_a_wrong_backward(monkeypatch):
@@ -75,7 +89,7 @@ def test_triton_kernels_in_the_interpreter():
         assert run.returncode == 0, err[-3000:]
         # fp64 inputs to 2e-5 elementwise; bf16 inputs (as autocast gives them) to 3e-2 of each tensor's largest
         # value against the references computed in fp32 from the same inputs: the kernels write bf16 gradients
-        assert out.strip().splitlines()[-1] == f"{dtype} mismatches [] 350", out[-3000:]
+        assert out.strip().splitlines()[-1] == f"{dtype} mismatches [] 362", out[-3000:]
 
 
 def _perturbed_pair(model_type, **extra):
@@ -104,7 +118,9 @@ FUSED_OPS = {"pre": (6, 0, 0, 0), "hybrid_pre": (8, 3, 0, 0), "post_pre": (8, 0,
     ("post_pre", {"siamese_depth_scaling": False}), ("hybrid", {}), ("hybrid_star", {}),
     ("hybrid_pre", {"n_kv_heads": 2, "attention_layer_norm_with_affine": False}), ("mhc", {}),
     ("mhc", {"mhc_expansion_rate": 3, "mhc_sinkhorn_order": "rows_first"}), ("hc", {}),
-    ("hc", {"hc_expansion_rate": 3}),
+    ("hc", {"hc_expansion_rate": 3}), ("hybrid_pre", {"siamese_mixing": "dynamic"}),
+    ("post_pre", {"siamese_mixing": "dynamic"}), ("hybrid_pre", {"siamese_mixing": "static"}),
+    ("post_pre", {"siamese_mixing": "static", "siamese_depth_scaling": False}),
 ])
 def test_fused_model_matches_unfused(model_type, extra):
     plain, fused_model = _perturbed_pair(model_type, **extra)
@@ -129,6 +145,8 @@ def test_fused_model_matches_unfused(model_type, extra):
     ran = tuple(counter.cost.by_op.get(op, [0])[0] for op in ("stream_forward", "head_norm_forward",
                                                                "sinkhorn_forward", "stream_mix_forward"))
     assert ran == FUSED_OPS[model_type]
+    # stream mixing: one pair_mix a mixed sublayer (block 0's attention has none: its streams are one embedding)
+    assert counter.cost.by_op.get("pair_mix_forward", [0])[0] == (5 if "siamese_mixing" in extra else 0)
 
 
 def test_after_addition_post_pre_ignores_the_flag_exactly():
@@ -226,12 +244,14 @@ def test_fused_streams_needs_rms_without_bias(change, words):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type", ["hybrid_pre", "mhc"])
-def test_fused_blocks_compile_whole_and_match_eager(model_type):
+@pytest.mark.parametrize("model_type,extra", [("hybrid_pre", {}), ("mhc", {}),
+                                              ("hybrid_pre", {"siamese_mixing": "dynamic"})])
+def test_fused_blocks_compile_whole_and_match_eager(model_type, extra):
     """The fused ops are opaque to torch.compile (one custom op each way, with fake implementations): a fused block
     compiles as one graph (fullgraph) around them and gives eager's logits and gradients (mhc: compiled, the mixing
-    is left to inductor and Sinkhorn stays one op; eager mixes in ``stream_mix``)."""
-    eager = _perturbed_pair(model_type, n_layers=2)[1]
+    is left to inductor and Sinkhorn stays one op; eager mixes in ``stream_mix``; SiameseNorm's mix stays
+    ``pair_mix`` either way)."""
+    eager = _perturbed_pair(model_type, n_layers=2, **extra)[1]
     compiled = copy.deepcopy(eager)
     torch._dynamo.reset()
     try:

@@ -80,9 +80,26 @@ def test_verdicts_follow_the_standard(tmp_path):
     assert report["configurations"]["pre"]["tolerance"][0]["loss_spikes"] == pytest.approx(2.0)
     page = to_markdown(report)
     assert "| good | 0.03 | 3 |" in page and "beyond the noise floor" in page
+    assert report["configurations"]["good"]["chosen_on_seeds"] == [1, 2, 3]
 
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "study_report.py"), str(two), "--standard", "--with",
                            str(one), "--output", str(out)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "2 judged" in proc.stdout and (out / "standard.md").read_text() == page
+
+
+def test_the_best_rate_is_chosen_on_the_seeds_every_rate_ran(tmp_path):
+    """Seeds 2 and 3 added at the rate seed 1 chose, and worse than seed 1: the choice stays (made on seed 1, the
+    seed both rates ran), so the configuration keeps its three seeds and a verdict; chosen on every seed's mean, the
+    one-seed rate would win and the comparison would go unjudged."""
+    for seed, ppl in ((1, 40.1), (2, 39.8), (3, 40.3)):
+        _cell(tmp_path, f"pre-lr0.01-s{seed}", ppl)
+    for seed, ppl in ((1, 37.5), (2, 39.6), (3, 39.7)):  # mean 38.93
+        _cell(tmp_path, f"keel-lr0.03-s{seed}", ppl)
+    _cell(tmp_path, "keel-lr0.01-s1", 38.7)  # above seed 1 at 3e-2, below the three seeds' mean
+    report = standard_report([tmp_path])
+    keel = report["configurations"]["keel"]
+    assert keel["best_lr"] == 0.03 and keel["chosen_on_seeds"] == [1]
+    row = next(r for r in report["comparisons"] if r["configuration"] == "keel")
+    assert row["n"] == 3 and "p_holm" in row
