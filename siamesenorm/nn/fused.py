@@ -230,6 +230,13 @@ def _rows(t: Tensor, d: int) -> Tuple[Tensor, int]:
     return t.contiguous().view(-1, d), d
 
 
+def _warps(d: int) -> int:
+    """Warps for a kernel that holds whole rows of d features as fp32 vectors (several live at once in the
+    backwards): one warp per 256 features, 4 to 8, so that d = 2048 spreads each vector over 256 threads (8 values a
+    thread) instead of 128 (16), as Triton's layer-norm tutorial sizes it; the same 4 as before below d = 2048."""
+    return min(max(triton.next_power_of_2(d) // 256, 4), 8)
+
+
 def _empty(like: Tensor) -> Tensor:
     return like.new_empty(0)
 
@@ -264,7 +271,7 @@ def _triton_forward(x, y, o, weights, scale, x_norm, in_norm, has_h, eps, stacke
     x1 = new((rows, d)) if write_x1 else xa
     _forward_kernel[(rows,)](xr, yr, orows, xa, y1, h, x1, *(w if w is not None else yr for w in weights), xs, ys,
                              o_stride, out_stride, d, float(scale), float(eps), COPY=bool(copy),
-                             BLOCK=triton.next_power_of_2(d), **_flags(x, o, weights, x_norm, in_norm, has_h))
+                             BLOCK=triton.next_power_of_2(d), num_warps=_warps(d), **_flags(x, o, weights, x_norm, in_norm, has_h))
     if not has_h:
         return stacked_out, None, None, None
     return (xa if write_x else None), (y1 if write_y else None), h, (x1 if write_x1 else None)
@@ -367,7 +374,7 @@ def _triton_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_
                 for w in weights]
     _backward_kernel[(programs,)](xs, y1, dxa, dy1, dh, dx, dy, do, *(w if w is not None else dy for w in weights),
                                   *partials, xs_stride, y1_stride, dxa_stride, dy1_stride, dxy_stride, rows, d, scale,
-                                  eps, ROWS_PER_PROGRAM=per, BLOCK=triton.next_power_of_2(d), HAS_DY1=bool(has_dy1),
+                                  eps, ROWS_PER_PROGRAM=per, BLOCK=triton.next_power_of_2(d), num_warps=_warps(d), HAS_DY1=bool(has_dy1),
                                   HAS_DXA=bool(has_x and has_dxa),
                                   **_flags(dx if has_x else None, do if has_o else None, weights, x_norm, in_norm,
                                            has_h))
@@ -1180,7 +1187,7 @@ def _pair_forward_impl(x, y, o, bias, gate, proj, norm_weight, scale, stacked, e
     _pair_forward_kernel[(rows,)](xr, yr, orows, xm, ym, bias, gate if dynamic else bias, proj if dynamic else bias,
                                   norm_weight if norm_weight is not None else bias, xs, ys, o_stride, d, float(scale),
                                   float(eps), HAS_O=o is not None, DYNAMIC=dynamic, HAS_W=norm_weight is not None,
-                                  BLOCK=triton.next_power_of_2(d))
+                                  BLOCK=triton.next_power_of_2(d), num_warps=_warps(d))
     return xm.view(y.shape), ym.view(y.shape)
 
 
@@ -1249,7 +1256,7 @@ def _pair_backward_impl(x, y, o, dxm, dym, bias, gate, proj, norm_weight, scale,
         xr, yr, orows, dxm, dym, dx, dy, do, bias, gate if dynamic else bias, proj if dynamic else bias,
         norm_weight if norm_weight is not None else bias, pb, pa, pp, pw, xs, ys, o_stride, dxy_stride, rows, d,
         float(scale), float(eps), HAS_O=o is not None, DYNAMIC=dynamic, HAS_W=norm_weight is not None,
-        ROWS_PER_PROGRAM=per, BLOCK=triton.next_power_of_2(d))
+        ROWS_PER_PROGRAM=per, BLOCK=triton.next_power_of_2(d), num_warps=_warps(d))
     grads = (pa.sum(), pp.sum(0), pw.sum(0) if norm_weight is not None else None) if dynamic else (None,) * 3
     do = do.view(o.shape) if o is not None else None
     if stacked:
