@@ -45,7 +45,7 @@ import functools
 import itertools
 import os
 import re
-from typing import List, Optional, Tuple
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -1335,8 +1335,29 @@ def _used_again(outputs):
     return (xa * 1.5 if xa is not None else None), y1 * 1.5, h
 
 
+def SIZE_CASES(case: dict) -> bool:
+    """The combinations a check at the recipes' sizes runs (``check(select=SIZE_CASES)``): each op once with every part
+    on (two streams, O, LN^X, gamma, LN^in, weights; stacked and separate), the one-stream op, ``copy``,
+    ``block_input``, ``stream_add``, the head norms (fewer k/v heads, strided), Sinkhorn (4 streams, 20 iterations),
+    ``stream_mix`` (4 streams) and ``pair_mix`` (dynamic with the norm's weight, with O; and on the stacked state):
+    13 of the 362 (the two-stream op with and without gamma, on separate and stacked streams)."""
+    full = dict(two=True, has_o=True, x_norm=True, wx=True, wy=True, in_norm=True, win=True)
+    if "two" in case and len(case) == 9:  # the stream op's 256 + 32
+        return all(case[k] == v for k, v in full.items()) or (
+            not case["two"] and case["has_o"] and case["in_norm"] and case["win"] and case["wy"] and not case["stacked"])
+    return case in (dict(stream_add=True, stacked=True),
+                    dict(head_norm=True, affine=True, n_q=4, n_kv=2, strided=True),
+                    dict(sinkhorn=True, n=4, order="columns_first", iterations=20),
+                    dict(stream_mix=True, n=4, widened=False),
+                    dict(copy=True, two=True, x_norm=True, in_norm=True),
+                    dict(block_input=True, has_o=True, x_norm=True, g=True, in_norm=True, weights=True),
+                    dict(pair_mix=True, has_o=True, form="dynamic+w", stacked=False),
+                    dict(pair_mix=True, has_o=False, form="dynamic+w", stacked=True))
+
+
 def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol: float = 2e-5,
-          seen: Optional[list] = None, dtype: torch.dtype = torch.float64) -> List[dict]:
+          seen: Optional[list] = None, dtype: torch.dtype = torch.float64,
+          select: Optional[Callable[[dict], bool]] = None) -> List[dict]:
     """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32; with ``copy``, O absent: one
     and two streams, LN^X, LN^in: 6), of ``block_input`` (O, LN^X, gamma, LN^in, weights or none: 32) and of
     ``stream_add``, on separate and stacked streams, of ``head_norm`` (with and without weights, as many k/v heads as
@@ -1350,7 +1371,11 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
     ``tol`` of a few bf16 steps, 3e-2, of each tensor's largest magnitude): bf16 inputs, as the recipes' autocast
     gives them, against the references,
     which compute in fp32 from the same inputs and round their outputs (and autograd its gradients) to bf16 once, as
-    the kernels do; Sinkhorn's logits stay fp32, as the model computes them."""
+    the kernels do; Sinkhorn's logits stay fp32, as the model computes them. ``select``: run only the combinations
+    it accepts (``SIZE_CASES``: one of each op with every part on, for a check at sizes where each combination costs
+    the interpreter far more); every input is drawn as in the full run, so a selected case sees the same numbers.
+    Any dtype but fp64 compares within ``tol`` of each tensor's largest magnitude (fp32 inputs: a few fp32 steps of
+    sums over d features, 1e-4)."""
     gen = torch.Generator().manual_seed(0)
     shape = (*rows, d)
     seen = [] if seen is None else seen
@@ -1400,12 +1425,16 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
                   in_norm=in_norm, in_weight=weight(win and in_norm))
         leaves = leaves + [t for t in (o, *kw.values()) if isinstance(t, Tensor)]
         case = dict(two=two, has_o=has_o, x_norm=x_norm, wx=wx, wy=wy, g=g, in_norm=in_norm, win=win, stacked=stacked)
+        if select is not None and not select(case):
+            continue
         seen.append(case)
         if not agree(lambda: reference(x, y, o, **kw), lambda: stream_input(x, y, o, **kw), leaves, (d, d, d)):
             bad.append(case)
     for stacked in (False, True):
         leaves, x, y = streams(stacked)
         o = randn(*shape)
+        if select is not None and not select(dict(stream_add=True, stacked=stacked)):
+            continue
         seen.append(dict(stream_add=True, stacked=stacked))
         if not agree(lambda: torch.cat([x + o * 0.37, y + o], -1), lambda: stream_add(x, y, o, scale=0.37),
                      leaves + [o], (2 * d,)):
@@ -1418,6 +1447,8 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
         ws = [(1 + 0.3 * randn(hd, grad=False)).requires_grad_() if affine else None for _ in range(3)]
         kw = dict(n_q=n_q, n_kv=n_kv, head_dim=hd)
         case = dict(head_norm=True, affine=affine, n_q=n_q, n_kv=n_kv, strided=strided)
+        if select is not None and not select(case):
+            continue
         seen.append(case)
         if not agree(lambda: head_reference(qkv, *ws, **kw), lambda: head_norm(qkv, *ws, **kw),
                      [base] + [w for w in ws if w is not None], (n_q * hd, n_kv * hd, n_kv * hd)):
@@ -1427,6 +1458,8 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
                             else torch.float32)).unflatten(-1, (n, n)).requires_grad_()  # far from uniform
         order = "columns_first" if columns_first else "rows_first"
         case = dict(sinkhorn=True, n=n, order=order, iterations=iterations)
+        if select is not None and not select(case):
+            continue
         seen.append(case)
         if not agree(lambda: sinkhorn_reference(logits, iterations, order).flatten(-2),
                      lambda: sinkhorn(logits, iterations, columns_first).flatten(-2), [logits], (n * n,)):
@@ -1436,6 +1469,8 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
         h = base.unsqueeze(-2).expand(*rows, n, d) if widened else base.unflatten(-1, (n, d))  # block 0 / stacked
         m, b, f = randn(*rows, n, n), randn(*rows, n), randn(*shape)
         case = dict(stream_mix=True, n=n, widened=widened)
+        if select is not None and not select(case):
+            continue
         seen.append(case)
         if not agree(lambda: mix_reference(h, m, b, f).flatten(-2), lambda: stream_mix(h, m, b, f).flatten(-2),
                      [base, m, b, f], (n * d,)):
@@ -1450,6 +1485,8 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
                   in_weight=weight(in_norm))
         leaves = (leaves if two else leaves[1:]) + [t for t in kw.values() if isinstance(t, Tensor)]
         case = dict(copy=True, two=two, x_norm=x_norm, in_norm=in_norm)
+        if select is not None and not select(case):
+            continue
         seen.append(case)
         # the copies used again downstream (their gradients return into the op's backward), as pre uses Y
         if not agree(lambda: _used_again(reference(x, y, None, **kw)),
@@ -1462,6 +1499,8 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
                   in_norm=in_norm, in_weight=weight(w and in_norm))
         leaves = [state] + [t for t in (o, *kw.values()) if isinstance(t, Tensor)]
         case = dict(block_input=True, has_o=has_o, x_norm=x_norm, g=g, in_norm=in_norm, weights=w)
+        if select is not None and not select(case):
+            continue
         seen.append(case)
         if not agree(lambda: reference(x, y, o, **kw), lambda: block_input(state, o, **kw), leaves, (d, d, d)):
             bad.append(case)
@@ -1474,6 +1513,8 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
                       norm_weight=(1 + 0.3 * randn(2 * d, grad=False)).requires_grad_() if form == "dynamic+w" else None)
         leaves = leaves + [t for t in (o, *kw.values()) if isinstance(t, Tensor)]
         case = dict(pair_mix=True, has_o=has_o, form=form, stacked=stacked)
+        if select is not None and not select(case):
+            continue
         seen.append(case)
         fused_call = (lambda: pair_mix(None, leaves[0], o, stacked=True, **kw)) if stacked else \
             (lambda: pair_mix(x, y, o, **kw))
