@@ -1373,9 +1373,7 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
     which compute in fp32 from the same inputs and round their outputs (and autograd its gradients) to bf16 once, as
     the kernels do; Sinkhorn's logits stay fp32, as the model computes them. ``select``: run only the combinations
     it accepts (``SIZE_CASES``: one of each op with every part on, for a check at sizes where each combination costs
-    the interpreter far more); every input is drawn as in the full run, so a selected case sees the same numbers.
-    Any dtype but fp64 compares within ``tol`` of each tensor's largest magnitude (fp32 inputs: a few fp32 steps of
-    sums over d features, 1e-4)."""
+    the interpreter far more); every input is drawn as in the full run, so a selected case sees the same numbers."""
     gen = torch.Generator().manual_seed(0)
     shape = (*rows, d)
     seen = [] if seen is None else seen
