@@ -9,6 +9,7 @@ import argparse
 import signal
 import sys
 
+from siamesenorm.studies import sweep
 from siamesenorm.studies.sweep import PlanError, load_plan, run_plan, status, stop_children, stopping
 
 
@@ -32,6 +33,13 @@ def main(argv=None) -> int:
         for cell in plan.cells:
             print(f"{cell.name:60s} {status(plan, cell) or 'to run'}")
         return 0
+    try:
+        if any(status(plan, cell) not in sweep.FINAL for cell in plan.cells):
+            sweep.check_inputs(plan)
+    except PlanError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
     def stop(signum, frame):
         print(f"sweep: {signal.Signals(signum).name}: stopping the running cells (they resume on the next run)",
               file=sys.stderr, flush=True)

@@ -172,6 +172,21 @@ def load_plan(path: str | Path) -> Plan:
                 int(raw.get("analysis_sequences", 32)), raw.get("analysis_tokens"), framework)
 
 
+def check_inputs(plan: Plan) -> None:
+    """Before any cell starts: the token files the recipe names (with the plan's overrides) exist. Every cell reads
+    the same recipe and data, so a missing file would fail each cell in turn, one error line a cell; one PlanError
+    says what to do instead. A recipe this loader cannot read is left to the cells (they report it themselves)."""
+    from siamesenorm.run.recipe import RunError, check_data_paths, load_config
+    try:
+        cfg = load_config(plan.recipe, list(plan.overrides))
+    except (RunError, OSError, ValueError):
+        return
+    try:
+        check_data_paths(cfg)
+    except RunError as err:
+        raise PlanError(f"{plan.recipe}: {err}") from None
+
+
 def status(plan: Plan, cell: Cell) -> Optional[str]:
     path = Path(plan.results) / cell.name / RECORD_NAME
     try:

@@ -60,6 +60,28 @@ def test_sweep_runs_two_cells_then_skips_them(tmp_path):
     assert (tmp_path / "report" / "study-magnitudes.png").stat().st_size > 0
 
 
+def test_a_sweep_without_its_data_says_so_once_and_starts_no_cell(tmp_path):
+    """The recipe's token files missing (a fresh machine before scripts/prepare_data.py): one line naming the
+    missing files and how to prepare them, exit 2, no cell started or marked; with the data in place the same
+    command gets past the check (--only a name no cell has: nothing to train, exit 0)."""
+    plan = tmp_path / "plan.yaml"
+    missing = tmp_path / "nowhere" / "train" / "*.npy"
+    spec = {"recipe": str(TINY), "runs": str(tmp_path / "runs"), "results": str(tmp_path / "results"),
+            "overrides": [*SMALL, f"--data.paths=[{missing}]"],
+            "groups": [{"methods": ["pre", "hybrid_pre"], "learning_rates": [1e-2], "seeds": [1, 2]}]}
+    plan.write_text(json.dumps(spec))
+    cmd = [sys.executable, str(ROOT / "scripts" / "sweep.py"), str(plan)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stdout + proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "no data at" in lines[0] and "prepare_data.py" in lines[0], proc.stderr
+    assert not (tmp_path / "runs").exists() and not (tmp_path / "results").exists()
+    spec["overrides"] = [*SMALL, f"--data.paths=[{learnable_tokens(tmp_path / 'train.npy')}]"]
+    plan.write_text(json.dumps(spec))
+    proc = subprocess.run([*cmd, "--only", "no-such-cell"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0 and "0 to run" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
 @pytest.mark.slow
 def test_v2_plan_groups_knobs_settings_and_checkpoints_over_time(tmp_path):
     """The second sweep's plan features on tiny cells: model shapes as knobs, a schedule setting, a cell analysed at
