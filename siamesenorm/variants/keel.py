@@ -9,8 +9,9 @@ OLMo's final norm follows the last block (on an already normalised state it only
 (the paper's point against DeepNorm): OLMo's own.
 
 Source of the equation: the arXiv HTML of the paper could not be read past its abstract from here; the form above
-is how three independent readings of the paper state it (an executive summary of the PDF: "a scalar alpha, set to
-alpha = L (the total number of sub-layers)" with "an internal LayerNorm stage" and "a dual-LN structure"; two
+is how four independent readings of the paper state it (an executive summary of the PDF: "a scalar alpha, set to
+alpha = L (the total number of sub-layers)" with "an internal LayerNorm stage" and "a dual-LN structure"; a topic
+page's table: x_{l+1} = LN_1(alpha x_l + F(LN_2(x_l))), "dual (RMSNorm)", "scalar alpha scaling (Highway)"; two
 re-implementations write LN_out(alpha x + F(LN_in(x)))). They agree on the form; they differ on whether L counts
 sublayers or layers, so the default follows the summary of the PDF (sublayers) and ``keel_alpha: layers`` gives
 the other reading. Equation numbers in the paper: not verified here.
