@@ -1129,8 +1129,7 @@ if triton is not None:
             dxm = tl.load(DXM + row * d + cols, mask=m, other=0.0).to(tl.float32)
             dym = tl.load(DYM + row * d + cols, mask=m, other=0.0).to(tl.float32)
             p, r, t = _pair_coefficient(x1, y1, b, a, px, py, wx, wy, d, eps, DYNAMIC, HAS_W)
-            dz = tl.sum((x1 - y1) * (dxm - dym), axis=0) * p * (1.0 - p)
-            dz = tl.where(row < rows, dz, 0.0)
+            dz = tl.sum((x1 - y1) * (dxm - dym), axis=0) * p * (1.0 - p)  # 0 past the last row: its loads are 0
             dx1 = p * dxm + (1.0 - p) * dym
             dy1 = (1.0 - p) * dxm + p * dym
             acc_b += dz
@@ -1290,8 +1289,7 @@ def _pair_mix_backward(x: Opt, y: Tensor, o: Opt, dxm: Tensor, dym: Tensor, bias
 
 @_pair_mix_backward.register_fake
 def _(x, y, o, dxm, dym, bias, gate, proj, norm_weight, scale, stacked, eps):
-    return [t.new_empty(t.shape) if t is not None and not (stacked and i == 0) else _empty(y)
-            for i, t in enumerate((x, y, o, bias, gate, proj, norm_weight))]
+    return [t.new_empty(t.shape) if t is not None else _empty(y) for t in (x, y, o, bias, gate, proj, norm_weight)]
 
 
 def _pair_setup(ctx, inputs, output):
@@ -1302,9 +1300,7 @@ def _pair_setup(ctx, inputs, output):
 
 def _pair_backward(ctx, dxm, dym):
     x, y, o, bias, gate, proj, norm_weight = ctx.saved_tensors
-    scale, stacked, eps = ctx.args
-    dxm = dxm if dxm is not None else torch.zeros_like(dym)
-    dym = dym if dym is not None else torch.zeros_like(dxm)
+    scale, stacked, eps = ctx.args  # autograd materialises a missing output's gradient (zeros) here
     grads = _pair_mix_backward(x, y, o, dxm, dym, bias, gate, proj, norm_weight, scale, stacked, eps)
     grads = [g if g.numel() else None for g in grads]
     return (*grads, None, None, None)
