@@ -6,7 +6,8 @@ if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
   echo "usage: bash scripts/test.sh [pytest arguments]"
   echo "Sets up .venv once (scripts/setup_env.sh), then runs pytest on CPU: every test under tests/ by default;"
   echo "arguments that name tests replace that default (bash scripts/test.sh tests/analysis/test_tables.py -x), others are"
-  echo "passed to pytest as they are (bash scripts/test.sh -k hybrid_pre). pytest's own options: python -m pytest --help."
+  echo "passed to pytest as they are (bash scripts/test.sh -k hybrid_pre). The whole suite runs in one pytest-xdist worker"
+  echo "a core, at most 4 (-n 0: one process). pytest's own options: python -m pytest --help."
   exit 0
 fi
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -19,5 +20,13 @@ for arg in "$@"; do
   esac
 done
 report=()
-if [ ${#targets[@]} -gt 0 ]; then report=(--durations=25); fi  # the whole suite: its 25 slowest tests at the end
+if [ ${#targets[@]} -gt 0 ]; then
+  report=(--durations=25)  # the whole suite: its 25 slowest tests at the end
+  # ... in one pytest-xdist worker a core (at most 4; a test file stays on one worker, so its module fixtures are
+  # built once), unless the arguments choose (-n 0: one process)
+  workers=$(nproc 2>/dev/null || echo 1)
+  if [ "$workers" -gt 4 ]; then workers=4; fi
+  case " $* " in *" -n "*|*" -n="*|*" --numprocesses"*|*" -p no:xdist "*) workers=1 ;; esac
+  if [ "$workers" -gt 1 ]; then report+=(-n "$workers" --dist loadfile); fi
+fi
 python -m pytest -q -p no:cacheprovider ${report[@]+"${report[@]}"} "$@" ${targets[@]+"${targets[@]}"}

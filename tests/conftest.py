@@ -1,3 +1,4 @@
+import fcntl
 import os
 import sys
 
@@ -13,6 +14,12 @@ for _folder in [_HERE] + [f for f in _FOLDERS if any(n.startswith("test_") for n
         sys.path.insert(0, _folder)
 
 from siamesenorm import SiameseModelConfig  # noqa: E402
+
+# scripts/test.sh runs the suite in two pytest-xdist workers, one core each: torch's intra-op threads in a worker
+# would otherwise take both cores and the two workers would fight over them (training subprocesses already pin one
+# thread, siamesenorm/ai2_olmo/train.py).
+if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1)
 
 #: The first lines of a subprocess script that must run with transformers alone: importing siamesenorm or ai2-olmo
 #: fails in there (the export tests load folders this way).
@@ -60,10 +67,13 @@ def austen_prepared():
 
     root = Path(__file__).resolve().parents[1]
     out = root / "data" / "prepared" / "austen-2k"
-    if not (out / "manifest.json").is_file():
-        settings = PrepareSettings([str(root / "data" / "austen.jsonl.gz")],
-                                   tokenizer=str(root / "data" / "tokenizer-austen-2k.json"), docs_per_unit=50)
-        prepare(settings, out, progress=False)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.parent / ".austen-2k.lock", "w") as lock:  # one pytest-xdist worker prepares, the other waits
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (out / "manifest.json").is_file():
+            settings = PrepareSettings([str(root / "data" / "austen.jsonl.gz")],
+                                       tokenizer=str(root / "data" / "tokenizer-austen-2k.json"), docs_per_unit=50)
+            prepare(settings, out, progress=False)
     return out
 
 
