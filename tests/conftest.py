@@ -81,3 +81,16 @@ def austen_prepared():
 def _no_model_type_env(monkeypatch):
     monkeypatch.delenv("MODEL_TYPE", raising=False)
     torch.manual_seed(0)
+
+
+def pytest_collection_modifyitems(config, items):
+    """Under pytest-xdist (scripts/test.sh), the files with the most slow tests first: a worker takes a whole file
+    at a time, in this order, so the long files start early and the short ones fill the gaps at the end, instead of a
+    long file left for last on one worker while the other idles. Within a file the order stays as written; a run in
+    one process keeps the collection order."""
+    if not os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    slow = {}
+    for item in items:
+        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + ("slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])  # a stable sort: each file's order kept
