@@ -26,7 +26,7 @@ if [ ${#targets[@]} -gt 0 ]; then
   # built once), unless the arguments choose (-n 0: one process)
   workers=$(nproc 2>/dev/null || echo 1)
   if [ "$workers" -gt 4 ]; then workers=4; fi
-  case " $* " in *" -n "*|*" -n="*|*" --numprocesses"*|*" -p no:xdist "*) workers=1 ;; esac
+  case " $* " in *" -n"*|*" --numprocesses"*|*" no:xdist "*) workers=1 ;; esac  # -n 0, -n0, -n=2, -p no:xdist
   if [ "$workers" -gt 1 ]; then report+=(-n "$workers" --dist loadfile); fi
 fi
 python -m pytest -q -p no:cacheprovider ${report[@]+"${report[@]}"} "$@" ${targets[@]+"${targets[@]}"}

@@ -1,3 +1,4 @@
+import collections
 import fcntl
 import os
 import sys
@@ -15,7 +16,7 @@ for _folder in [_HERE] + [f for f in _FOLDERS if any(n.startswith("test_") for n
 
 from siamesenorm import SiameseModelConfig  # noqa: E402
 
-# scripts/test.sh runs the suite in two pytest-xdist workers, one core each: torch's intra-op threads in a worker
+# scripts/test.sh runs the suite in pytest-xdist workers, one a core: torch's intra-op threads in a worker
 # would otherwise take both cores and the two workers would fight over them (training subprocesses already pin one
 # thread, siamesenorm/ai2_olmo/train.py).
 if os.environ.get("PYTEST_XDIST_WORKER") and "OMP_NUM_THREADS" not in os.environ:
@@ -90,7 +91,5 @@ def pytest_collection_modifyitems(config, items):
     one process keeps the collection order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    slow = {}
-    for item in items:
-        slow[item.nodeid.split("::")[0]] = slow.get(item.nodeid.split("::")[0], 0) + ("slow" in item.keywords)
-    items.sort(key=lambda item: -slow[item.nodeid.split("::")[0]])  # a stable sort: each file's order kept
+    slow = collections.Counter(item.location[0] for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow[item.location[0]])  # a stable sort: each file's order kept
