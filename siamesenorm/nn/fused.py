@@ -29,6 +29,10 @@ normalisations in one kernel each way; backward keeps only the logits and replay
 kernel reads the carried streams and the sublayer's output once and writes the new streams once, where eager
 writes the mixed streams, the n scaled copies of F and their sum; backward keeps only the op's inputs.
 
+``rms_project`` is hc's and mHC's coefficient projection, RMSNorm(x) @ P as (x @ (w P)) * rstd(x): one kernel
+reads the streams once in their own dtype for the product (fp32 accumulation) and rstd, where eager writes an fp32
+copy (or the normalised one) and reads it; backward one kernel for dx and one for dW.
+
 ``pair_mix`` is SiameseNorm with stream mixing (``siamese_mixing``): the previous sublayer's add and the two streams'
 doubly stochastic mix, p from the streams in registers (static: a learned scalar; dynamic: per token, from the
 RMS-normalised concatenated streams), one kernel each way; backward keeps only the op's inputs and recomputes p.
@@ -1026,6 +1030,223 @@ def stream_mix(h: Tensor, m: Tensor, b: Tensor, f: Tensor) -> Tensor:
     return _stream_mix_forward(h, m, b, f)
 
 
+# ---- hc's and mHC's coefficient projection: RMSNorm(x) @ P with the norm's division after the product ----------
+def project_reference(x: Tensor, wp: Tensor, eps: float = 1e-5) -> Tensor:
+    """The coefficient logits of hc / mHC: RMSNorm(x) @ wp for rows ``x`` (..., N) and ``wp`` (N, K) (the norm's
+    weight already folded in, w[:, None] * P), fp32 inside and out: (x @ wp) * rstd(x), rstd = (mean(x^2) + eps)^-1/2
+    over each row."""
+    xf = x.float()
+    return (xf @ wp.float()) * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _project_forward_kernel(X, W, LOG, RSTD, rows, n, k, x_row, eps, BLOCK_R: tl.constexpr,
+                                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """BLOCK_R rows over all their N features in chunks: the product with W (fp32, accumulated in fp32 from x
+        in its own dtype) and the sum of squares in one read of x; the logits scaled by rstd once, at the end."""
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_R, BLOCK_K], tl.float32)
+        ss = tl.zeros([BLOCK_R], tl.float32)
+        for c0 in range(0, n, BLOCK_N):
+            c = c0 + tl.arange(0, BLOCK_N)
+            x = tl.load(X + r[:, None] * x_row + c[None, :], mask=(r[:, None] < rows) & (c[None, :] < n),
+                        other=0.0).to(tl.float32)
+            w = tl.load(W + c[:, None] * k + kk[None, :], mask=(c[:, None] < n) & (kk[None, :] < k),
+                        other=0.0).to(tl.float32)
+            acc += tl.dot(x, w, input_precision=PRECISION)
+            ss += tl.sum(x * x, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / n + eps)
+        tl.store(LOG + r[:, None] * k + kk[None, :], acc * rstd[:, None], mask=(r[:, None] < rows) & (kk[None, :] < k))
+        tl.store(RSTD + r, rstd, mask=r < rows)
+
+    @triton.jit
+    def _project_dx_kernel(X, W, LOG, RSTD, DLOG, DX, rows, n, k, x_row, BLOCK_R: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """dx = (dlog rstd) @ W^T - rstd^2 <dlog, logits> x / N, BLOCK_R rows, x read once and dx written once in
+        x's dtype (computed in fp32)."""
+        r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        kk = tl.arange(0, BLOCK_K)
+        rk = (r[:, None] < rows) & (kk[None, :] < k)
+        rstd = tl.load(RSTD + r, mask=r < rows, other=0.0)
+        dlog = tl.load(DLOG + r[:, None] * k + kk[None, :], mask=rk, other=0.0).to(tl.float32)
+        logits = tl.load(LOG + r[:, None] * k + kk[None, :], mask=rk, other=0.0)
+        g = dlog * rstd[:, None]
+        coef = tl.sum(dlog * logits, axis=1) * rstd * rstd / n
+        for c0 in range(0, n, BLOCK_N):
+            c = c0 + tl.arange(0, BLOCK_N)
+            m = (r[:, None] < rows) & (c[None, :] < n)
+            x = tl.load(X + r[:, None] * x_row + c[None, :], mask=m, other=0.0).to(tl.float32)
+            wt = tl.load(W + c[None, :] * k + kk[:, None], mask=(c[None, :] < n) & (kk[:, None] < k),
+                         other=0.0).to(tl.float32)  # W^T chunk (BLOCK_K, BLOCK_N)
+            dx = tl.dot(g, wt, input_precision=PRECISION) - coef[:, None] * x
+            tl.store(DX + r[:, None] * n + c[None, :], dx.to(DX.dtype.element_ty), mask=m)
+
+    @triton.jit
+    def _project_dw_kernel(X, RSTD, DLOG, PW, rows, n, k, x_row, rows_per_split, BLOCK_R: tl.constexpr,
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """dW's partial sum over one split of the rows for BLOCK_N features: sum_r x[r]^T (dlog[r] rstd[r]), fp32;
+        the splits' partials are summed after (a few MB)."""
+        c = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        split = tl.program_id(1)
+        kk = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for r0 in range(0, rows_per_split, BLOCK_R):
+            i = r0 + tl.arange(0, BLOCK_R)
+            r = split.to(tl.int64) * rows_per_split + i
+            live = (r < rows) & (i < rows_per_split)
+            xt = tl.load(X + r[None, :] * x_row + c[:, None], mask=live[None, :] & (c[:, None] < n),
+                         other=0.0).to(tl.float32)  # x^T chunk (BLOCK_N, BLOCK_R)
+            rstd = tl.load(RSTD + r, mask=live, other=0.0)
+            g = tl.load(DLOG + r[:, None] * k + kk[None, :], mask=live[:, None] & (kk[None, :] < k),
+                        other=0.0).to(tl.float32) * rstd[:, None]
+            acc += tl.dot(xt, g, input_precision=PRECISION)
+        tl.store(PW + split * n * k + c[:, None] * k + kk[None, :], acc, mask=(c[:, None] < n) & (kk[None, :] < k))
+
+
+_PROJECT_BLOCK_R, _PROJECT_BLOCK_N = 32, 64  # rows a program; features a chunk
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _project_splits(rows: int, n: int) -> Tuple[int, int]:
+    """(splits, rows a split) of dW's row loop: enough (feature chunk, split) programs to fill a GPU (about 256)
+    when the features are few (hc's rows are d wide; at most 64 splits), each split a whole number of row blocks.
+    The number of splits depends on N only, so that dW's partial sums are the same size at every token count (the
+    compiled cost model carries two small samples linearly to the recipe's)."""
+    splits = min(64, max(1, _cdiv(256, _cdiv(n, _PROJECT_BLOCK_N))))
+    return splits, _cdiv(_cdiv(rows, _PROJECT_BLOCK_R), splits) * _PROJECT_BLOCK_R
+
+
+def _project_sizes(k: int, x: Tensor) -> dict:
+    """Block sizes, and the products' precision: for bf16 / fp16 rows (the streams under the recipes' autocast)
+    TF32x3, three TF32 tensor-core products that carry fp32's accuracy (the rows are exact in TF32; W and dlog rstd
+    split into two TF32 parts): at 2 K FLOPs a 2-byte element (24 a byte for mHC) fp32 FMAs would make the kernel
+    compute-bound on an H100 (about 67 TFLOP/s against 3.35 TB/s: 20 a byte); IEEE fp32 for fp32 / fp64 rows (12
+    FLOPs a byte or fewer: memory-bound either way; the fp64 check's 2e-5)."""
+    precision = "tf32x3" if x.dtype in (torch.bfloat16, torch.float16) else "ieee"
+    return dict(BLOCK_R=_PROJECT_BLOCK_R, BLOCK_N=_PROJECT_BLOCK_N, BLOCK_K=max(16, triton.next_power_of_2(k)),
+                PRECISION=precision)
+
+
+def _project_forward_impl(x: Tensor, wp: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
+    n, k = wp.shape
+    if not _use_triton(x):
+        xf = x.float()
+        rstd = torch.rsqrt(xf.pow(2).mean(-1) + eps)
+        return (xf @ wp.float()) * rstd[..., None], rstd
+    xv, x_row = _rows(x, n)
+    rows = xv.shape[0]
+    logits = torch.empty((rows, k), dtype=torch.float32, device=x.device)
+    rstd = torch.empty((rows,), dtype=torch.float32, device=x.device)
+    _project_forward_kernel[(triton.cdiv(rows, _PROJECT_BLOCK_R),)](
+        xv, wp.float().contiguous(), logits, rstd, rows, n, k, x_row, eps, **_project_sizes(k, x))
+    return logits.view(*x.shape[:-1], k), rstd.view(x.shape[:-1])
+
+
+def _project_dx_impl(x: Tensor, wp: Tensor, logits: Tensor, rstd: Tensor, dlog: Tensor) -> Tensor:
+    n, k = wp.shape
+    if not _use_triton(x):
+        xf, dlog = x.float().reshape(-1, n), dlog.float().reshape(-1, k)
+        rstd = rstd.reshape(-1, 1)
+        coef = (dlog * logits.reshape(-1, k)).sum(-1, keepdim=True) * rstd.square() / n
+        return ((dlog * rstd) @ wp.float().t() - coef * xf).view(x.shape)
+    xv, x_row = _rows(x, n)
+    rows = xv.shape[0]
+    dlog, logits, rstd = (t.float().contiguous().view(rows, -1) for t in (dlog, logits, rstd))
+    dx = torch.empty((rows, n), dtype=x.dtype, device=x.device)  # written in x's dtype: no cast
+    _project_dx_kernel[(triton.cdiv(rows, _PROJECT_BLOCK_R),)](xv, wp.float().contiguous(), logits, rstd, dlog, dx,
+                                                               rows, n, k, x_row, **_project_sizes(k, x))
+    return dx.view(x.shape)
+
+
+def _project_dw_impl(x: Tensor, rstd: Tensor, dlog: Tensor) -> Tensor:
+    k = dlog.shape[-1]
+    n = x.shape[-1]
+    rows = x.numel() // n
+    splits, per_split = _project_splits(rows, n)
+    if not _use_triton(x):  # the whole sum in the first split's place, zeros in the others'
+        xf, g = x.float().reshape(rows, n), dlog.float().reshape(rows, k) * rstd.reshape(rows, 1)
+        return torch.cat([(xf.t() @ g)[None], xf.new_zeros(splits - 1, n, k)])
+    xv, x_row = _rows(x, n)
+    partial = torch.empty((splits, n, k), dtype=torch.float32, device=x.device)
+    _project_dw_kernel[(triton.cdiv(n, _PROJECT_BLOCK_N), splits)](
+        xv, rstd.float().contiguous().view(rows), dlog.float().contiguous().view(rows, k), partial, rows, n, k, x_row,
+        per_split, **_project_sizes(k, x))
+    return partial
+
+
+@torch.library.custom_op(f"{NAMESPACE}::project_forward", mutates_args=())
+def _project_forward(x: Tensor, wp: Tensor, eps: float) -> Tuple[Tensor, Tensor]:
+    """(logits (..., K) fp32, rstd (...) fp32)."""
+    return _project_forward_impl(x, wp, eps)
+
+
+@_project_forward.register_fake
+def _(x, wp, eps):
+    return (x.new_empty((*x.shape[:-1], wp.shape[-1]), dtype=torch.float32),
+            x.new_empty(x.shape[:-1], dtype=torch.float32))
+
+
+@torch.library.custom_op(f"{NAMESPACE}::project_backward_x", mutates_args=())
+def _project_backward_x(x: Tensor, wp: Tensor, logits: Tensor, rstd: Tensor, dlog: Tensor) -> Tensor:
+    """dx in x's dtype (one kernel)."""
+    return _project_dx_impl(x, wp, logits, rstd, dlog).to(x.dtype)
+
+
+@_project_backward_x.register_fake
+def _(x, wp, logits, rstd, dlog):
+    return x.new_empty(x.shape)
+
+
+@torch.library.custom_op(f"{NAMESPACE}::project_backward_w", mutates_args=())
+def _project_backward_w(x: Tensor, rstd: Tensor, dlog: Tensor) -> Tensor:
+    """dW's fp32 partial sums over the row splits, (splits, N, K) (one kernel; the caller sums them)."""
+    return _project_dw_impl(x, rstd, dlog)
+
+
+@_project_backward_w.register_fake
+def _(x, rstd, dlog):
+    splits, _ = _project_splits(x.numel() // x.shape[-1], x.shape[-1])
+    return x.new_empty((splits, x.shape[-1], dlog.shape[-1]), dtype=torch.float32)
+
+
+def _project_setup(ctx, inputs, output):
+    x, wp, _eps = inputs
+    ctx.save_for_backward(x, wp, *output)  # x (the caller keeps it anyway), and the logits and rstd: no recompute
+    ctx.set_materialize_grads(False)
+
+
+def _project_backward_autograd(ctx, dlog, _drstd):
+    x, wp, logits, rstd = ctx.saved_tensors
+    if dlog is None:
+        return None, None, None
+    dx = _project_backward_x(x, wp, logits, rstd, dlog) if ctx.needs_input_grad[0] else None
+    dw = _project_backward_w(x, rstd, dlog).sum(0).to(wp.dtype) if ctx.needs_input_grad[1] else None
+    return dx, dw, None
+
+
+_project_forward.register_autograd(_project_backward_autograd, setup_context=_project_setup)
+
+
+def rms_project(x: Tensor, wp: Tensor, eps: float = 1e-5) -> Tensor:
+    """``project_reference``'s logits, RMSNorm(x) @ wp = (x @ wp) * rstd(x), fp32, as one op each way
+    (``siamesenorm::project_forward`` / ``_backward_x`` / ``_backward_w``): one kernel reads x once in its own dtype
+    (no fp32 copy of it written) for the product, accumulated in fp32 against fp32 ``wp`` (on a GPU in TF32 for
+    bf16 rows, ``_project_sizes``), and the sum of squares; backward one kernel
+    for dx (x read once, dx written once in x's dtype) and one for dW (x read once more, fp32 partial sums over
+    row splits, summed after: a few MB). Eager writes x's fp32 copy, reads it for the product, and reads x again for rstd (and
+    backward the same again); hc's and mHC's coefficients (``rstd`` the rows' own: hc's per stream, mHC's over the
+    flattened streams)."""
+    if wp.dim() != 2 or x.shape[-1] != wp.shape[0]:
+        raise ValueError(f"rms_project takes x (..., N) and wp (N, K); got {tuple(x.shape)} and {tuple(wp.shape)}")
+    return _project_forward(x, wp, float(eps))[0]
+
+
 # ---- SiameseNorm's stream mixing (siamese_mixing) with the residual add before it, one pass over the streams ------
 def pair_mix_reference(x: Tensor, y: Tensor, o: Optional[Tensor] = None, *, scale: float = 1.0, bias: Tensor,
                        gate: Optional[Tensor] = None, proj: Optional[Tensor] = None,
@@ -1335,8 +1556,9 @@ def SIZE_CASES(case: dict) -> bool:
     """The combinations a check at the recipes' sizes runs (``check(select=SIZE_CASES)``): each op once with every part
     on (two streams, O, LN^X, gamma, LN^in, weights; stacked and separate), the one-stream op, ``copy``,
     ``block_input``, ``stream_add``, the head norms (fewer k/v heads, strided), Sinkhorn (4 streams, 20 iterations),
-    ``stream_mix`` (4 streams) and ``pair_mix`` (dynamic with the norm's weight, with O; and on the stacked state):
-    13 of the 362 (the two-stream op with and without gamma, on separate and stacked streams)."""
+    ``stream_mix`` (4 streams), ``pair_mix`` (dynamic with the norm's weight, with O; and on the stacked state) and
+    ``rms_project`` (both cases): 15 of the 364 (the two-stream op with and without gamma, on separate and stacked
+    streams)."""
     full = dict(two=True, has_o=True, x_norm=True, wx=True, wy=True, in_norm=True, win=True)
     if "two" in case and len(case) == 9:  # the stream op's 256 + 32
         return all(case[k] == v for k, v in full.items()) or (
@@ -1348,7 +1570,8 @@ def SIZE_CASES(case: dict) -> bool:
                     dict(copy=True, two=True, x_norm=True, in_norm=True),
                     dict(block_input=True, has_o=True, x_norm=True, g=True, in_norm=True, weights=True),
                     dict(pair_mix=True, has_o=True, form="dynamic+w", stacked=False),
-                    dict(pair_mix=True, has_o=False, form="dynamic+w", stacked=True))
+                    dict(pair_mix=True, has_o=False, form="dynamic+w", stacked=True),
+                    dict(project=True, k=24, strided=False), dict(project=True, k=6, strided=True))
 
 
 def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol: float = 2e-5,
@@ -1358,10 +1581,11 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
     and two streams, LN^X, LN^in: 6), of ``block_input`` (O, LN^X, gamma, LN^in, weights or none: 32) and of
     ``stream_add``, on separate and stacked streams, of ``head_norm`` (with and without weights, as many k/v heads as
     q heads and fewer, contiguous and strided: 8), of ``pair_mix`` (with and without O, static and dynamic with and
-    without the norm's weight, separate and stacked streams: 12), of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8) and of
-    ``stream_mix`` (4, 3 and 2 streams, stacked and widened from one stream: 6), forward and backward (a random
+    without the norm's weight, separate and stacked streams: 12), of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8), of
+    ``stream_mix`` (4, 3 and 2 streams, stacked and widened from one stream: 6) and of ``rms_project`` (mHC's 24
+    columns over 4 d features; hc's 6 over d, rows read in place: 2), forward and backward (a random
     projection of the outputs), against autograd of ``reference`` / ``head_reference`` / siamesenorm.nn.sinkhorn /
-    ``mix_reference``, fp64 inputs on ``device`` (fp32 inside all); returns the combinations that
+    ``mix_reference`` / ``project_reference``, fp64 inputs on ``device`` (fp32 inside all); returns the combinations that
     disagree, and appends every combination it ran to ``seen`` (if given). On CUDA with Triton (or under
     ``TRITON_INTERPRET=1``) it checks the kernels, elsewhere the torch path. ``dtype=torch.bfloat16`` (with a
     ``tol`` of a few bf16 steps, 3e-2, of each tensor's largest magnitude): bf16 inputs, as the recipes' autocast
@@ -1513,5 +1737,16 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
         fused_call = (lambda: pair_mix(None, leaves[0], o, stacked=True, **kw)) if stacked else \
             (lambda: pair_mix(x, y, o, **kw))
         if not agree(lambda: pair_mix_reference(x, y, o, **kw), fused_call, leaves, (d, d)):
+            bad.append(case)
+    for k, strided in ((24, False), (6, True)):  # mHC's n = 4 over the flattened streams; hc's per stream, in place
+        width = 4 * d if k == 24 else d
+        base = randn(*rows, width + 7 if strided else width)
+        x = base[..., 3:3 + width] if strided else base  # strided: rows read in place, width + 7 apart
+        wp = randn(width, k, as_dtype=torch.float64 if dtype == torch.float64 else torch.float32)  # fp32, as the model
+        case = dict(project=True, k=k, strided=strided)
+        if select is not None and not select(case):
+            continue
+        seen.append(case)
+        if not agree(lambda: project_reference(x, wp), lambda: rms_project(x, wp), [base, wp], (k,)):
             bad.append(case)
     return bad

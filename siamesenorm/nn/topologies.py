@@ -21,9 +21,9 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
+from .fused import rms_project, stream_mix
 from .fused import sinkhorn as fused_sinkhorn
 from .fused import sinkhorn_reference as sinkhorn
-from .fused import stream_mix
 
 __all__ = ["PreNorm", "PostNorm", "HybridNorm", "SiameseNorm", "SiameseFusion", "HyperConnection",
            "HyperConnections", "ManifoldHyperConnection", "ManifoldHyperConnections", "post_norm_update",
@@ -519,39 +519,15 @@ def depth_connection(carried: torch.Tensor, weights: torch.Tensor, out: torch.Te
     return carried + weights.unsqueeze(-1) * out.unsqueeze(-2)
 
 
-def _rstd(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """(mean(x^2) + eps)^(-1/2) over the last dim, fp32 (..., 1), from one reduction over x in its own dtype."""
-    rms = torch.linalg.vector_norm(x, dim=-1, keepdim=True, dtype=torch.float32)
-    return torch.rsqrt(rms.square() / x.shape[-1] + eps)
-
-
-class _Rstd(torch.autograd.Function):
-    """rstd(x) = (mean(x^2) + eps)^(-1/2) over the last dim, fp32 (..., 1): one reduction over x forward, one
-    elementwise pass backward, dx = -rstd^3 x g / k in x's dtype (autograd of ``linalg.vector_norm`` writes x / |x|
-    in fp32 and masks it first)."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, eps: float) -> torch.Tensor:
-        rstd = _rstd(x, eps)
-        ctx.save_for_backward(x, rstd)
-        return rstd
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        x, rstd = ctx.saved_tensors
-        return x * (grad * rstd.pow(3) * (-1.0 / x.shape[-1])).to(x.dtype), None
-
-
-def _rms_project(x: torch.Tensor, norm: nn.Module, proj: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """RMSNorm(x) @ proj computed as (x @ (w proj)) * rstd(x), fp32 out: one reduction over x, then the product in
-    ``dtype``, the norm's division after it, so the normalised copy of x is never written (the fused connections'
-    coefficients; ``norm`` an RMSNorm without bias, its weight w and eps read from it)."""
+def _rms_project(x: torch.Tensor, norm: nn.Module, proj: torch.Tensor) -> torch.Tensor:
+    """RMSNorm(x) @ proj computed as (x @ (w proj)) * rstd(x), fp32 out, as one op each way (siamesenorm/nn/fused.py
+    ``rms_project``): x read once in its own dtype for both the product (accumulated in fp32 against the fp32
+    w proj) and rstd, so that neither the normalised copy of x nor an fp32 copy of it is ever written (the fused
+    connections' coefficients; ``norm`` an RMSNorm without bias, its weight w and eps read from it)."""
     weight, eps = getattr(norm, "weight", None), getattr(norm, "eps", None)
     eps = torch.finfo(torch.float32).eps if eps is None else eps  # nn.RMSNorm's default
-    proj = proj.to(dtype) if weight is None else weight.to(dtype)[:, None] * proj.to(dtype)
-    # compiled, autograd's backward of rstd: inductor fuses it into H's gradient itself (mhc 18.8 -> 18.0 GB)
-    rstd = _rstd(x, eps) if torch.compiler.is_compiling() else _Rstd.apply(x, eps)
-    return (x.to(dtype) @ proj).float() * rstd
+    wp = proj.float() if weight is None else weight.float()[:, None] * proj.float()
+    return rms_project(x, wp, eps)
 
 
 def _fusable_norm(norm: nn.Module, name: str) -> None:
@@ -593,8 +569,9 @@ class HyperConnection(_Connection):
     projections, with ``decay_dynamic``); the static weights and the scales take none. ``fused``
     (``model.fused_streams``; the norm an RMSNorm without bias): the mixing and the depth connection as one op
     (``_Connection``; ``width`` then gives the matrix m[j, s] = A[s, 1+j]), and both dynamic projections as one
-    product with the norm's division after it, norm(H) [W_a | w_b] = (H @ (w [W_a | w_b])) * rstd(H), in H's dtype,
-    so the normalised streams are never written.
+    product with the norm's division after it, norm(H) [W_a | w_b] = (H @ (w [W_a | w_b])) * rstd(H), one op each
+    way (siamesenorm/nn/fused.py ``rms_project``: H read in its own dtype, accumulated in fp32), so the normalised
+    streams are never written.
     """
 
     def __init__(self, n: int, dim: int, layer: int = 0, norm: NormFactory = nn.LayerNorm, dynamic: bool = True,
@@ -636,7 +613,7 @@ class HyperConnection(_Connection):
         alpha, beta = self.static_alpha, self.static_beta
         if self.dynamic and self.fused:
             proj = torch.cat([self.dynamic_alpha_fn, self.dynamic_beta_fn[:, None]], dim=-1)  # (d, 1 + n + 1)
-            logits = _rms_project(h, self.norm, proj, h.dtype)
+            logits = _rms_project(h, self.norm, proj)
             alpha = alpha + self.dynamic_alpha_scale * torch.tanh(logits[..., :-1])
             beta = beta + self.dynamic_beta_scale * torch.tanh(logits[..., -1])
         elif self.dynamic:
@@ -687,9 +664,11 @@ class ManifoldHyperConnection(_Connection):
     Init (docs/fidelity.md): P = N(0, 1/(n d)), gates 0.01, b_pre = logit(1/n), b_post = 0, b_res = 0 (H_res uniform).
 
     ``fused`` (``model.fused_streams``; the norm an RMSNorm without bias): the same coefficients in fewer passes, as
-    the mHC paper's kernels compute them: h~ P = (flatten(H) @ (w P)) * rstd, the norm's division after the product
-    (so the normalised (n d)-wide copy is never written; fp32 throughout, where OLMo's norm rounds h~ to the streams'
-    dtype before its scale), Sinkhorn as one op each way (siamesenorm/nn/fused.py ``sinkhorn``), and the mixing
+    the mHC paper's kernels compute them: h~ P = (flatten(H) @ (w P)) * rstd, the norm's division after the product,
+    one op each way (siamesenorm/nn/fused.py ``rms_project``: flatten(H) read once in its own dtype, neither the
+    normalised (n d)-wide copy nor an fp32 one written; accumulated in fp32 against fp32 w P, TF32 products on a GPU
+    for bf16 streams, where OLMo's norm rounds h~ to the streams' dtype before its scale), Sinkhorn as one op each
+    way (siamesenorm/nn/fused.py ``sinkhorn``), and the mixing
     with the depth connection as one (``_Connection``; ``width`` then gives H_res in the carried streams' place).
     """
 
@@ -724,7 +703,7 @@ class ManifoldHyperConnection(_Connection):
         """h: (..., n, d) -> H_pre (..., n), H_post (..., n), H_res (..., n, n); all fp32."""
         n = self.n
         with torch.autocast(device_type=h.device.type, enabled=False):
-            logits = _rms_project(h.flatten(-2), self.norm, self.proj, torch.float32) if self.fused \
+            logits = _rms_project(h.flatten(-2), self.norm, self.proj) if self.fused \
                 else self.norm(h.flatten(-2)).float() @ self.proj.float()
             g = self.gates.float()
             pre = torch.sigmoid(g[0] * logits[..., :n] + self.bias_pre.float())

@@ -3,8 +3,9 @@ computes, counted on fake tensors (no memory, no data: the 1.3B recipe at its re
 
 For one microbatch, forward and backward (the loss included, in fp32 as autocast runs it), per step and per layer:
 
-- ``matmul_flops``: 2 x M x N x K of every matrix product (mm, addmm, bmm, baddbmm); fused attention (SDPA) as its
-  two products, 4 B H T^2 d forward and twice that backward, the causal mask not subtracted;
+- ``matmul_flops``: 2 x M x N x K of every matrix product (mm, addmm, bmm, baddbmm, and our ``rms_project`` ops,
+  which are products inside); fused attention (SDPA) as its two products, 4 B H T^2 d forward and twice that
+  backward, the causal mask not subtracted;
 - ``bytes``: every op's tensor inputs plus outputs (what an unfused kernel reads and writes in HBM), the products'
   operands and results included (``matmul_bytes``: those of the mm / bmm products, which inductor also leaves
   to extern kernels: the compiled count reads the same bytes from its graph); an allocation
@@ -69,6 +70,11 @@ _FILLS = {"zeros", "zeros_like", "new_zeros", "ones", "ones_like", "new_ones", "
           "zero_", "fill_", "fill", "scalar_tensor"}
 _MATMUL = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
            torch.ops.aten.baddbmm.default}
+#: Our fused ops that are matrix products inside (siamesenorm/nn/fused.py ``rms_project``: x (..., N) against an
+#: (N, K) matrix, each way): their FLOPs, 2 x rows x N x K, charged by the roofline as the products they replace.
+_CUSTOM_PRODUCTS = {"project_forward": lambda x, wp, *_: 2 * x.numel() * wp.shape[-1],
+                    "project_backward_x": lambda x, wp, *_: 2 * x.numel() * wp.shape[-1],
+                    "project_backward_w": lambda x, rstd, dlog: 2 * x.numel() * dlog.shape[-1]}
 
 
 def product_excess(flops: int, nbytes: int) -> Dict[str, float]:
@@ -151,6 +157,8 @@ class _Counter(TorchDispatchMode):
             products = 4 * q.numel() * k.shape[-2]  # Q K^T and P V, 2 B H Tq Tk d each
             self.cost.add(name, 2 * products if name.endswith("backward") else products,
                           _nbytes(args) + _nbytes(out))
+        elif name in _CUSTOM_PRODUCTS:
+            self.cost.add(name, _CUSTOM_PRODUCTS[name](*args), _nbytes(args) + _nbytes(out), product=True)
         elif name in _FILLS:
             self.cost.add(name, 0, _nbytes(out))
         else:
@@ -362,7 +370,8 @@ def _scheduled_cost(nodes) -> Cost:
             if not kernel:
                 continue  # MultiOutput and the like: views of an extern kernel's result, no launch
             name = kernel.rsplit(".", 1)[-1] if not kernel.endswith(".default") else kernel.rsplit(".", 2)[-2]
-            if name in _EXTERN_MATMULS:  # its operands and result; its FLOPs (and roofline) are the eager count's
+            if name in _EXTERN_MATMULS or name in _CUSTOM_PRODUCTS:  # its operands and result; its FLOPs (and
+                # roofline) are the eager count's
                 nbytes = node.get_read_write_buffers_sizes()
                 cost.add(name, 0, nbytes)
                 cost.matmul_bytes += nbytes

@@ -27,8 +27,8 @@ def test_torch_path_matches_autograd_of_the_reference():
     seen = []
     assert fused.check(seen=seen) == []
     # 256 two-stream + 32 one-stream + 6 with copy + 32 block_input + 2 stream_add + 8 head_norm + 8 sinkhorn + 6 mix
-    # + 12 pair_mix
-    assert len(seen) == 362
+    # + 12 pair_mix + 2 rms_project
+    assert len(seen) == 364
 
 
 def test_the_check_catches_a_wrong_head_norm_backward(monkeypatch):
@@ -54,6 +54,19 @@ def test_the_check_catches_a_wrong_pair_mix_backward(monkeypatch):
     monkeypatch.setattr(fused, "_pair_backward_torch", swapped)
     bad = fused.check()
     assert len(bad) == 12 and all(b.get("pair_mix") for b in bad), bad
+
+
+def test_the_check_catches_a_wrong_project_backward(monkeypatch):
+    """rms_project's backward without rstd's own gradient in dx (only the product's): both projection cases fail, and
+    with dW's partial sums halved (a split lost) both fail again; nothing else does either time."""
+    original_dx, original_dw = fused._project_dx_impl, fused._project_dw_impl
+    monkeypatch.setattr(fused, "_project_dx_impl",
+                        lambda x, wp, logits, rstd, dlog: original_dx(x, wp, logits * 0, rstd, dlog))
+    cases = [dict(project=True, k=24, strided=False), dict(project=True, k=6, strided=True)]
+    assert fused.check() == cases
+    monkeypatch.setattr(fused, "_project_dx_impl", original_dx)
+    monkeypatch.setattr(fused, "_project_dw_impl", lambda *args: original_dw(*args) * 0.5)
+    assert fused.check() == cases
 
 
 def test_the_check_catches_a_wrong_backward(monkeypatch):
@@ -92,12 +105,13 @@ def test_triton_kernels_in_the_interpreter():
         # fp64 inputs to 2e-5 elementwise; bf16 inputs (as autocast gives them) to 3e-2 of each tensor's largest
         # value against the references computed in fp32 from the same inputs: the kernels write bf16 gradients
         small, big = out.strip().splitlines()[-2:]
-        assert small == f"{dtype} mismatches [] 362", out[-3000:]
+        assert small == f"{dtype} mismatches [] 364", out[-3000:]
         # then each op once with every part on at a size where every code path runs: d = 200 (a 256-wide row block
         # with a partial tail, the stream mix's feature loop in 4 chunks of 64), 130 rows (the row-block backwards in
-        # 3 programs of 64, the last 2 rows; the stream mix in 9 of 16 tokens, the last 2); fp64 and bf16 inputs
-        # within the same tolerances as above
-        assert big == f"{dtype} at size mismatches [] 13", out[-3000:]
+        # 3 programs of 64, the last 2 rows; the stream mix in 9 of 16 tokens, the last 2; the coefficient projection
+        # in 5 programs of 32 rows over 13 chunks of 64 features (mHC's 800) or 4 (hc's 200), each ending in a
+        # partial chunk); fp64 and bf16 inputs within the same tolerances as above
+        assert big == f"{dtype} at size mismatches [] 15", out[-3000:]
 
 
 def _perturbed_pair(model_type, **extra):
@@ -114,11 +128,11 @@ def _perturbed_pair(model_type, **extra):
 
 
 #: fused ops per forward of the 3-layer tiny model: (stream_forward, head_norm_forward, sinkhorn_forward,
-#: stream_mix_forward). pre: two per block; SiameseNorm: two, and the end of every block but the last; HybridNorm's
-#: attention: one head_norm per block; hc and mhc: per connection (two a block) the branch's Pre-Norm as one
-#: stream op and one stream mix, and for mhc one Sinkhorn.
-FUSED_OPS = {"pre": (6, 0, 0, 0), "hybrid_pre": (8, 3, 0, 0), "post_pre": (8, 0, 0, 0), "hybrid": (0, 3, 0, 0),
-             "hybrid_star": (0, 3, 0, 0), "mhc": (6, 0, 6, 6), "hc": (6, 0, 0, 6)}
+#: stream_mix_forward, project_forward). pre: two per block; SiameseNorm: two, and the end of every block but the
+#: last; HybridNorm's attention: one head_norm per block; hc and mhc: per connection (two a block) the branch's
+#: Pre-Norm as one stream op, one stream mix and the coefficients' projection as one op, and for mhc one Sinkhorn.
+FUSED_OPS = {"pre": (6, 0, 0, 0, 0), "hybrid_pre": (8, 3, 0, 0, 0), "post_pre": (8, 0, 0, 0, 0),
+             "hybrid": (0, 3, 0, 0, 0), "hybrid_star": (0, 3, 0, 0, 0), "mhc": (6, 0, 6, 6, 6), "hc": (6, 0, 0, 6, 6)}
 
 
 @pytest.mark.parametrize("model_type,extra", [
@@ -151,7 +165,8 @@ def test_fused_model_matches_unfused(model_type, extra):
     with costmodel._Counter() as counter:
         fused_model(ids)
     ran = tuple(counter.cost.by_op.get(op, [0])[0] for op in ("stream_forward", "head_norm_forward",
-                                                               "sinkhorn_forward", "stream_mix_forward"))
+                                                               "sinkhorn_forward", "stream_mix_forward",
+                                                               "project_forward"))
     assert ran == FUSED_OPS[model_type]
     # stream mixing: one pair_mix a mixed sublayer (block 0's attention has none: its streams are one embedding)
     assert counter.cost.by_op.get("pair_mix_forward", [0])[0] == (5 if "siamese_mixing" in extra else 0)
