@@ -212,21 +212,30 @@ def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
     if code not in (0, EXIT_DIVERGED) or record.get("status") not in FINAL:
         raise RuntimeError(f"{cell.name}: training exited {code} (status {record.get('status')}); see "
                            f"{run_dir / 'console.log'}")
-    out.mkdir(parents=True, exist_ok=True)
+    # the results are staged beside the run and moved into place whole: a results folder is complete or absent
+    # (a sweep stopped while it analyses leaves none behind, and a reader never sees one half written)
+    stage = run_dir / "results-staged"
+    if stage.exists():
+        shutil.rmtree(stage)
+    stage.mkdir()
     if record["status"] == "finished":
         analyses = analyse(run_dir, plan.analysis_sequences, plan.analysis_tokens)
-        (out / "analysis.json").write_text(json.dumps(analyses, indent=1) + "\n")
+        (stage / "analysis.json").write_text(json.dumps(analyses, indent=1) + "\n")
         if cell.analyse_every is not None:
             steps = {}
             for ckpt in sorted(run_dir.glob(checkpoints), key=lambda p: int(p.name[4:].split("-")[0])):
                 steps[ckpt.name[4:].split("-")[0]] = analyse(ckpt, plan.analysis_sequences, plan.analysis_tokens)
-            (out / "analysis-steps.json").write_text(json.dumps(steps, indent=1) + "\n")
-    for name in KEPT:  # the record last: its presence marks the cell done
+            (stage / "analysis-steps.json").write_text(json.dumps(steps, indent=1) + "\n")
+    for name in KEPT:
         if name == METRICS_NAME and (run_dir / name).is_file():  # kept compressed (a tenth of the bytes)
-            compress_metrics(run_dir / name, out / METRICS_COMPRESSED)
+            compress_metrics(run_dir / name, stage / METRICS_COMPRESSED)
         elif name != RECORD_NAME and (run_dir / name).is_file():
-            shutil.copy2(run_dir / name, out / name)
-    shutil.copy2(record_path, out / RECORD_NAME)
+            shutil.copy2(run_dir / name, stage / name)
+    shutil.copy2(record_path, stage / RECORD_NAME)  # its presence in results/ marks the cell done
+    if out.exists():  # an earlier, incomplete copy (a sweep before staging, stopped while it kept the results)
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    shutil.move(str(stage), str(out))
     if not keep_checkpoints:
         for path in list(run_dir.glob("step*")) + list(run_dir.glob("latest*")):
             shutil.rmtree(path) if path.is_dir() and not path.is_symlink() else path.unlink()

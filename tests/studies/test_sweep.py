@@ -41,6 +41,7 @@ def test_sweep_runs_two_cells_then_skips_them(tmp_path):
         assert kept == (tmp_path / "runs" / cell.name / "metrics.jsonl").read_text() and len(kept.splitlines()) >= 6
         assert not (out / "metrics.jsonl").exists()
         assert not list((tmp_path / "runs" / cell.name).glob("step*"))  # checkpoints dropped after analysis
+        assert not (tmp_path / "runs" / cell.name / "results-staged").exists()  # staged, then moved into place whole
     second = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert second.returncode == 0 and "2 cells, 2 done, 0 to run" in second.stdout
     # the study report reads the same results: one grid cell per method, the figures written
