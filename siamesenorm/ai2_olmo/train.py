@@ -18,6 +18,7 @@ import gzip
 import logging
 import os
 import pickle
+import signal
 from pathlib import Path
 from typing import Dict, List, Optional
 
@@ -55,6 +56,7 @@ from siamesenorm.run.lifecycle import (
     record_info,
     resumed_attempts,
     say_done,
+    stop_after_step_on_sigterm,
     train_to_the_end,
     warmup_steps,
 )
@@ -296,7 +298,15 @@ def run(trainer: SiameseTrainer, cfg: SiameseTrainConfig, load_path: Optional[st
             trainer.monitor.restore([s for s in previous.get("spikes", []) if s["step"] <= trainer.global_step],
                                     [s for s in previous.get("grad_spikes", []) if s["step"] <= trainer.global_step])
         trainer.record_info["attempts"] = resumed_attempts(previous, trainer.global_step)
-    code = train_to_the_end(trainer.fit, trainer.save_record, lambda: trainer.global_step >= trainer.max_steps,
+    def fit() -> None:
+        # a SIGTERM while training: OLMo's loop saves a checkpoint after the step and stops (SiameseTrainer's
+        # check_if_cancelled); a second one, or one outside this block, stops at once (raise_on_sigterm)
+        with stop_after_step_on_sigterm(lambda: setattr(trainer, "sigterm_received", True)):
+            trainer.fit()
+        if trainer.stop_requested and trainer.global_step < trainer.max_steps:
+            raise Terminated(signal.SIGTERM)
+
+    code = train_to_the_end(fit, trainer.save_record, lambda: trainer.global_step >= trainer.max_steps,
                             trainer.monitor.convergence, folder / RECORD_NAME, get_global_rank() == 0)
     if get_global_rank() == 0 and code == 0 and trainer.monitor is not None:
         report(trainer)

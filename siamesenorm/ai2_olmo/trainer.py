@@ -61,6 +61,11 @@ class SiameseTrainer(Trainer):
     last_eval_step: Optional[int] = None
     #: Whether the last restored checkpoint carried the guard's state (older checkpoints do not).
     restored_stability: bool = False
+    #: This process got SIGTERM (set by the handler: siamesenorm.run.lifecycle.stop_after_step_on_sigterm).
+    sigterm_received: bool = False
+    #: Some rank got SIGTERM: every rank saves a checkpoint after this step and stops (the same step on all).
+    stop_requested: bool = False
+    _cancel_interval: Optional[int] = None
 
     def __post_init__(self):
         super().__post_init__()
@@ -125,10 +130,13 @@ class SiameseTrainer(Trainer):
         except OverflowError:  # OLMo's exp(loss) for the perplexity metric, loss > 709 nats
             metrics = {"train/CrossEntropyLoss": self.cur_train_loss}
         loss = metrics["train/CrossEntropyLoss"]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            total = torch.tensor([loss], dtype=torch.float64, device=self.device)
+        signalled = 1.0 if self.sigterm_received else 0.0
+        if dist.is_initialized() and dist.get_world_size() > 1:  # the SIGTERM flags ride on the same all-reduce
+            total = torch.tensor([loss, signalled], dtype=torch.float64, device=self.device)
             dist.all_reduce(total)
-            loss = float(total) / dist.get_world_size()
+            loss, signalled = float(total[0]) / dist.get_world_size(), float(total[1])
+        if signalled and not self.stop_requested:
+            self.request_stop()
         self.cur_train_loss = loss
         self.min_train_loss = min(self.min_train_loss, loss)
         metrics["train/CrossEntropyLoss"] = loss
@@ -147,6 +155,25 @@ class SiameseTrainer(Trainer):
             metrics["stability/loss_spikes"] = self.monitor.spike_count
             metrics["stability/grad_spikes"] = len(self.monitor.grad_spikes)
         return metrics
+
+    # ---- a SIGTERM: save after this step and stop ----------------------------------------------------------------
+    def request_stop(self) -> None:
+        """Make OLMo's loop check for a cancel after the current step (``check_if_cancelled`` then says yes): it
+        saves a checkpoint (sharded under FSDP at once, unsharded as its final save under DDP), skips the eval and
+        stops. Called on every rank in the same step (the flags are all-reduced in ``train_step``)."""
+        self.stop_requested = True
+        self._cancel_interval = self.cfg.canceled_check_interval
+        self.cfg.canceled_check_interval = 1  # read by fit's loop right after train_step
+
+    def check_if_cancelled(self):
+        if self.stop_requested:
+            if self._cancel_interval is not None:
+                self.cfg.canceled_check_interval = self._cancel_interval
+                self._cancel_interval = None
+            log.warning("SIGTERM: saving a checkpoint at step %d, then stopping (rerun the same command to resume "
+                        "from it; a second SIGTERM stops at once)", self.global_step)
+            return True, 0
+        return super().check_if_cancelled()
 
     # ---- the run record -----------------------------------------------------------------------------------------
     def run_record(self, status: str, **extra: Any) -> Dict[str, Any]:

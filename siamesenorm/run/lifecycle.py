@@ -22,8 +22,10 @@ each framework only says how to build its trainer and how to read its progress.
   any other error               stopped      the error propagates (a traceback: a bug to report)
   ===========================  ===========  =================================================================
 
-  Whether a stopped run saved a checkpoint first is the framework's: OLMo-core saves one when it is cancelled
-  (SIGTERM, SIGINT), ai2-olmo 0.6.0 does not (its last periodic checkpoint resumes).
+  A run stopped by SIGTERM saves a checkpoint first on both paths, so the rerun resumes where it stopped: OLMo-core
+  when it is cancelled (SIGTERM, SIGINT); the ai2-olmo path (``stop_after_step_on_sigterm``) at the end of the step
+  the signal arrives in, every rank at the same step, through OLMo 0.6.0's own cancel path (a second SIGTERM stops
+  at once; Ctrl-C stops at once there, and its last periodic checkpoint resumes).
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from siamesenorm.run.stability import EXIT_DIVERGED, Diverged
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Terminated", "raise_on_sigterm", "NoSpace", "no_space_in", "Plan", "prepare", "open_run",
+__all__ = ["Terminated", "raise_on_sigterm", "stop_after_step_on_sigterm", "NoSpace", "no_space_in", "Plan", "prepare", "open_run",
            "record_info", "run_record", "describe_run", "warmup_steps", "train_to_the_end", "QUIET_DIVERGENCE",
            "is_lead"]
 
@@ -81,6 +83,26 @@ def _raise_terminated(signum, frame):
 def raise_on_sigterm() -> Iterator[None]:
     """SIGTERM raises ``Terminated`` in the main thread while inside (for a framework with no handler of its own)."""
     previous = signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+@contextlib.contextmanager
+def stop_after_step_on_sigterm(request: Callable[[], None]) -> Iterator[None]:
+    """While inside (the main thread): the first SIGTERM calls ``request()`` and nothing else (the trainer finishes
+    its step, saves a checkpoint and stops: a scheduler's grace period is spent saving, not lost), a second one
+    raises ``Terminated`` at once, wherever the run is."""
+    seen: List[int] = []
+
+    def handler(signum, frame):
+        if seen:
+            raise Terminated(signum)
+        seen.append(signum)
+        request()
+
+    previous = signal.signal(signal.SIGTERM, handler)
     try:
         yield
     finally:

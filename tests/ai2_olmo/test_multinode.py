@@ -87,8 +87,11 @@ def test_two_nodes_killed_one_stops_the_job_and_a_resubmission_ends_as_an_uninte
     again = subprocess.run(["bash", str(script)], env=_env(102), stdout=log, stderr=subprocess.STDOUT, timeout=300)
     assert again.returncode == 0, (tmp_path / "job2.log").read_text()[-3000:]
     record = json.loads((folder / "run.json").read_text())
-    assert record["status"] == "finished" and record["attempts"][-1]["resumed_at_step"] % 4 == 0
-    assert record["attempts"][-1]["resumed_at_step"] >= 4
+    resumed_at = record["attempts"][-1]["resumed_at_step"]
+    # from a periodic checkpoint (every 4 steps), or from the one the surviving ranks saved on srun's SIGTERM
+    # (the killed node's worker may outlive its process group long enough to take part)
+    saved_on_sigterm = f"SIGTERM: saving a checkpoint at step {resumed_at}," in (tmp_path / "job1.log").read_text()
+    assert record["status"] == "finished" and (resumed_at % 4 == 0 or saved_on_sigterm) and resumed_at >= 4, record
     full, parts = losses(reference), losses(folder)
     assert _steps(folder) == list(range(1, 41))  # no step twice, none missing
     assert [parts[s] for s in range(1, 41)] == [full[s] for s in range(1, 41)]  # exactly, step by step

@@ -66,6 +66,35 @@ def test_a_second_run_on_a_busy_folder_is_one_line_and_changes_nothing(tmp_path,
 
 
 @pytest.mark.slow
+def test_a_sigterm_saves_the_step_it_stops_at_and_the_rerun_resumes_there(tmp_path, data):  # noqa: F811
+    """A preemption (SIGTERM) with no periodic checkpoint due for a thousand steps: the run finishes its step, saves
+    a checkpoint of it, says so, and exits 143 with a stopped record; the same command resumes from that step (not
+    from step 0), and the metrics run on with no step twice."""
+    folder = tmp_path / "run"
+    args = [f"--data.paths=[{data}]", f"--save_folder={folder}", "--max_duration=100000", "--save_interval_unsharded=1000"]
+    first = subprocess.Popen([*TRAIN, str(TINY), *SMALL, *args], cwd=ROOT, env=env(), stdout=subprocess.DEVNULL,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: max(metric_steps(folder) or [0]) >= 4, "the run's step 4")
+        first.send_signal(signal.SIGTERM)
+        _, err = first.communicate(timeout=120)
+    finally:
+        first.kill()
+    assert first.returncode == 143, err[-3000:]
+    stopped_at = max(metric_steps(folder))
+    assert stopped_at >= 4 and (folder / f"step{stopped_at}-unsharded").is_dir(), sorted(p.name for p in folder.iterdir())
+    assert f"SIGTERM: saving a checkpoint at step {stopped_at}, then stopping" in err
+    assert err.strip().splitlines()[-1].startswith("stopped: killed by SIGTERM; rerun the same command")
+    assert record(folder)["status"] == "stopped" and record(folder)["step"] == stopped_at
+    assert record(folder)["error"] == "Terminated: killed by SIGTERM"
+    end = stopped_at + 2
+    resumed = train([*args, "--try_load_latest_save", f"--max_duration={end}"])
+    assert f"step{stopped_at}-unsharded" in resumed.stderr, resumed.stderr[-2000:]  # the checkpoint it resumed
+    assert metric_steps(folder) == list(range(1, end + 1))
+    assert record(folder)["attempts"][-1]["resumed_at_step"] == stopped_at
+
+
+@pytest.mark.slow
 def test_a_stale_lock_is_taken_over_and_said(tmp_path, data):  # noqa: F811
     folder = tmp_path / "run"
     folder.mkdir()
