@@ -530,6 +530,15 @@ def _rms_project(x: torch.Tensor, norm: nn.Module, proj: torch.Tensor) -> torch.
     return rms_project(x, wp, eps)
 
 
+def _weighted_streams(h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """sum_s weights[..., s] h[..., s, :] for streams h (..., n, d): eager one batched product (a bmm with N = 1:
+    H read once, the sum written once); compiled, the broadcast product and its sum, which inductor fuses into one
+    kernel with its neighbours where the bmm would stay an extern kernel of its own (and its backward two more)."""
+    if torch.compiler.is_compiling():
+        return (h * weights.unsqueeze(-1)).sum(-2)
+    return torch.einsum("...sd,...s->...d", h, weights)
+
+
 def _fusable_norm(norm: nn.Module, name: str) -> None:
     if isinstance(norm, nn.LayerNorm) or getattr(norm, "bias", None) is not None:
         raise ValueError(f"the fused {name} connection needs an RMSNorm without bias as its norm")
@@ -623,9 +632,12 @@ class HyperConnection(_Connection):
         else:
             alpha, beta = alpha.expand(*h.shape[:-1], 1 + self.n), beta.expand(*h.shape[:-1])
         if self.mixes_in_op:
-            inp = torch.einsum("...sd,...s->...d", h, alpha[..., 0].to(h.dtype))
+            inp = _weighted_streams(h, alpha[..., 0].to(h.dtype))
             return inp, alpha[..., 1:].transpose(-1, -2), beta
-        mixed = torch.einsum("...sd,...sk->...kd", h, alpha.to(h.dtype))  # (..., 1 + n, d)
+        if torch.compiler.is_compiling():  # see _weighted_streams
+            mixed = (h.unsqueeze(-2) * alpha.to(h.dtype).unsqueeze(-1)).sum(-3)  # (..., 1 + n, d)
+        else:
+            mixed = torch.einsum("...sd,...sk->...kd", h, alpha.to(h.dtype))  # (..., 1 + n, d)
         return mixed[..., 0, :], mixed[..., 1:, :], beta.to(h.dtype)
 
 
@@ -717,10 +729,13 @@ class ManifoldHyperConnection(_Connection):
         """-> branch input (..., d), mixed streams H_res H (..., n, d), H_post (..., n), in h's dtype; fused:
         H_res (..., n, n) and H_post in fp32 (the op mixes)."""
         pre, post, res = self.coefficients(h)
-        inp = torch.einsum("...sd,...s->...d", h, pre.to(h.dtype))
+        inp = _weighted_streams(h, pre.to(h.dtype))
         if self.mixes_in_op:
             return inp, res, post
-        mixed = torch.einsum("...js,...sd->...jd", res.to(h.dtype), h)
+        if torch.compiler.is_compiling():  # see _weighted_streams
+            mixed = (res.to(h.dtype).unsqueeze(-1) * h.unsqueeze(-3)).sum(-2)
+        else:
+            mixed = torch.einsum("...js,...sd->...jd", res.to(h.dtype), h)
         return inp, mixed, post.to(h.dtype)
 
 

@@ -92,6 +92,7 @@ class Cost:
     matmul_bytes: int = 0  # of ``bytes``: the mm / bmm products' operands and results
     matmul_excess_s: Dict[str, float] = field(default_factory=lambda: {d: 0.0 for d in DEVICES})
     by_op: Dict[str, list] = field(default_factory=dict)  # op name -> [kernels, bytes, flops]
+    excess_by_op: Dict[str, Dict[str, float]] = field(default_factory=dict)  # product name -> device -> seconds
 
     def add(self, name: str, flops: int, nbytes: int, product: bool = False) -> None:
         """One kernel; ``product``: a matrix product, charged by the roofline (fused attention keeps the sum of its
@@ -101,8 +102,10 @@ class Cost:
         self.kernels += 1
         if product:
             self.matmul_bytes += nbytes
+            row_excess = self.excess_by_op.setdefault(name, {d: 0.0 for d in DEVICES})
             for device, seconds in product_excess(flops, nbytes).items():
                 self.matmul_excess_s[device] += seconds
+                row_excess[device] += seconds
         row = self.by_op.setdefault(name, [0, 0, 0])
         row[0] += 1
         row[1] += nbytes
@@ -213,6 +216,7 @@ def step_cost(model_cfg, model_type: str, microbatch: int, seq_len: Optional[int
         return {"step": {k: v.summary() for k, v in full.items()}, "layer": {k: v.summary() for k, v in layer.items()},
                 "by_op": {k: v.by_op for k, v in full.items()},
                 "layer_by_op": {k: _by_op_difference(v.by_op, {}, 1.0 / n) for k, v in full.items()},
+                "layer_excess_by_op": {k: _excess_difference(v.excess_by_op, {}, 1.0 / n) for k, v in full.items()},
                 "layer_is_average": True}
 
 
@@ -226,21 +230,26 @@ def _by_op_difference(a: Dict[str, list], b: Dict[str, list], scale: float = 1.0
     return out
 
 
+def _excess_difference(a: Dict[str, Dict[str, float]], b: Dict[str, Dict[str, float]],
+                       scale: float = 1.0) -> Dict[str, Dict[str, float]]:
+    """{product name: {device: roofline excess seconds}} of ``a`` less ``b``, times ``scale``."""
+    return {op: {d: (a.get(op, {}).get(d, 0.0) - b.get(op, {}).get(d, 0.0)) * scale for d in DEVICES}
+            for op in sorted(set(a) | set(b))}
+
+
 def _with_layer(full, model_cfg, model_type, n, microbatch, seq_len, autocast) -> Dict[str, Dict]:
     if n >= 3:
         three = full if n == 3 else _fake_count(model_cfg, model_type, 3, microbatch, seq_len, autocast)
-        two = _fake_count(model_cfg, model_type, 2, microbatch, seq_len, autocast)
-        layer = {k: three[k] - two[k] for k in full}
-        layer_by_op = {k: _by_op_difference(three[k].by_op, two[k].by_op) for k in full}
+        base = _fake_count(model_cfg, model_type, 2, microbatch, seq_len, autocast)
     elif n == 2:
-        one = _fake_count(model_cfg, model_type, 1, microbatch, seq_len, autocast)
-        layer = {k: full[k] - one[k] for k in full}
-        layer_by_op = {k: _by_op_difference(full[k].by_op, one[k].by_op) for k in full}
+        three, base = full, _fake_count(model_cfg, model_type, 1, microbatch, seq_len, autocast)
     else:
-        layer = full
-        layer_by_op = {k: _by_op_difference(full[k].by_op, {}) for k in full}
+        three, base = full, {k: Cost() for k in full}
+    layer = {k: three[k] - base[k] for k in full}
     return {"step": {k: v.summary() for k, v in full.items()}, "layer": {k: v.summary() for k, v in layer.items()},
-            "by_op": {k: v.by_op for k, v in full.items()}, "layer_by_op": layer_by_op}
+            "by_op": {k: v.by_op for k, v in full.items()},
+            "layer_by_op": {k: _by_op_difference(three[k].by_op, base[k].by_op) for k in full},
+            "layer_excess_by_op": {k: _excess_difference(three[k].excess_by_op, base[k].excess_by_op) for k in full}}
 
 
 def bytes_above(layer_by_op: Dict[str, Dict[str, list]], base_by_op: Dict[str, Dict[str, list]],
@@ -270,15 +279,36 @@ def with_compiled_blocks(eager: Dict, compiled_layer: Dict[str, Dict[str, int]],
     for phase in ("forward", "backward"):
         e_layer, c_layer = eager["layer"][phase], compiled_layer[phase]
         # the products inductor left to extern kernels, their bytes as it scheduled them (a product it lowered
-        # into a fused kernel is in that kernel's bytes); the roofline excess is the eager products', an upper
-        # bound where inductor lowered a memory-bound product itself (mhc's small ones at small widths)
+        # into a fused kernel is in that kernel's bytes, moved at the bandwidth there)
         layer[phase] = {"matmul_flops": e_layer["matmul_flops"], "bytes": c_layer["bytes"],
                         "kernels": c_layer["kernels"], "matmul_bytes": c_layer.get("matmul_bytes", 0),
-                        "matmul_excess_s": dict(e_layer.get("matmul_excess_s", {}))}
+                        "matmul_excess_s": _compiled_excess(eager, phase, c_layer)}
         step[phase] = {k: eager["step"][phase].get(k, 0) + n_layers * (layer[phase][k] - e_layer.get(k, 0))
                        for k in ("matmul_flops", "bytes", "kernels", "matmul_bytes")}
-        step[phase]["matmul_excess_s"] = dict(eager["step"][phase].get("matmul_excess_s", {}))
+        step[phase]["matmul_excess_s"] = {
+            d: v + n_layers * (layer[phase]["matmul_excess_s"].get(d, 0.0) - e_layer.get("matmul_excess_s", {}).get(d, 0.0))
+            for d, v in eager["step"][phase].get("matmul_excess_s", {}).items()}
     return {"step": step, "layer": layer}
+
+
+def _compiled_excess(eager: Dict, phase: str, c_layer: Dict) -> Dict[str, float]:
+    """The compiled layer's roofline excess: each eager product kind's (mm, bmm, ``rms_project``'s ops) in the
+    share of its kernels that inductor left extern (``extern_products``); a product it lowered into one of its own
+    kernels has its bytes counted there, at the bandwidth, and no excess on top. Where one kind mixes compute-bound
+    and memory-bound products (mm: the weights' and hc's coefficients'), the share is of the kind's whole excess.
+    Without the per-kind counts (an older result), the eager layer's excess whole: an upper bound."""
+    whole = dict(eager["layer"][phase].get("matmul_excess_s", {}))
+    by_op, extern = eager.get("layer_excess_by_op", {}).get(phase), c_layer.get("extern_products")
+    if by_op is None or extern is None:
+        return whole
+    counts = eager.get("layer_by_op", {}).get(phase, {})
+    out = {d: 0.0 for d in whole}
+    for name, seconds in by_op.items():
+        launched = counts.get(name, [0])[0]
+        kept = min(1.0, extern.get(name, 0) / launched) if launched > 0 else 0.0
+        for d in out:
+            out[d] += seconds.get(d, 0.0) * kept
+    return out
 
 
 def estimate_seconds(cost: Dict[str, int], device: str) -> float:
@@ -458,7 +488,9 @@ def compiled_layer_cost(model_cfg, model_type: str, microbatch: int, seq_len: Op
         products = (b[phase].matmul_bytes - a[phase].matmul_bytes) / (t2 - t1)
         result[phase] = {"matmul_flops": 0, "bytes": int(round(a[phase].bytes + per_token * (real - t1))),
                          "kernels": a[phase].kernels,
-                         "matmul_bytes": int(round(a[phase].matmul_bytes + products * (real - t1)))}
+                         "matmul_bytes": int(round(a[phase].matmul_bytes + products * (real - t1))),
+                         "extern_products": {name: row[0] for name, row in a[phase].by_op.items()
+                                             if name in _EXTERN_MATMULS or name in _CUSTOM_PRODUCTS}}
     return result
 
 

@@ -60,6 +60,39 @@ def test_products_are_charged_their_operands_and_result_at_the_larger_of_flop_an
         assert costmodel.estimate_seconds(big.cost.summary(), device) == pytest.approx(square_flops, rel=1e-9)
 
 
+def test_rms_project_is_charged_as_the_products_it_replaces():
+    """Our coefficient projection (one op each way, three kernels) is charged like the eager products it replaces:
+    the same FLOPs (2 rows N K forward; dx and dW the same each), its inputs and outputs as bytes, the roofline."""
+    from siamesenorm.nn import fused
+
+    x, wp = torch.ones(4096, 1024, dtype=torch.bfloat16, requires_grad=True), torch.ones(1024, 24, requires_grad=True)
+    with costmodel._Counter() as fwd:
+        logits = fused.rms_project(x, wp)
+    with costmodel._Counter() as bwd:
+        logits.sum().backward()
+    flops = 2 * 4096 * 1024 * 24
+    assert fwd.cost.by_op["project_forward"] == [1, 4096 * 1024 * 2 + 1024 * 24 * 4 + 4096 * 24 * 4 + 4096 * 4, flops]
+    assert bwd.cost.by_op["project_backward_x"][0] == bwd.cost.by_op["project_backward_w"][0] == 1
+    assert bwd.cost.by_op["project_backward_x"][2] == bwd.cost.by_op["project_backward_w"][2] == flops
+    assert fwd.cost.matmul_flops == flops and fwd.cost.matmul_bytes == fwd.cost.by_op["project_forward"][1]
+    assert all(fwd.cost.excess_by_op["project_forward"][d] > 0 for d in costmodel.DEVICES)  # memory-bound
+
+
+def test_compiled_excess_keeps_only_the_products_inductor_left_extern():
+    """The compiled layer's roofline excess: a product kind inductor lowered into its own kernels (bytes counted
+    there, at the bandwidth) adds none; one left extern keeps its eager excess, in the share of its kernels left;
+    an eager result without the per-kind counts keeps its excess whole (an upper bound)."""
+    devices = list(costmodel.DEVICES)
+    eager = {"layer": {"forward": {"matmul_excess_s": {d: 3.0 for d in devices}}},
+             "layer_by_op": {"forward": {"bmm": [4, 0, 0], "mm": [8, 0, 0]}},
+             "layer_excess_by_op": {"forward": {"bmm": {d: 1.0 for d in devices}, "mm": {d: 2.0 for d in devices}}}}
+    excess = costmodel._compiled_excess
+    assert excess(eager, "forward", {"extern_products": {"mm": 8}}) == {d: 2.0 for d in devices}
+    assert excess(eager, "forward", {"extern_products": {"mm": 8, "bmm": 4}}) == {d: 3.0 for d in devices}
+    assert excess(eager, "forward", {"extern_products": {"mm": 4, "bmm": 1}}) == {d: 1.25 for d in devices}
+    assert excess(eager, "forward", {}) == {d: 3.0 for d in devices}
+
+
 def test_allocations_are_free_and_fills_write_only_their_output():
     x = torch.ones(64, 32)
     with costmodel._Counter() as counter:
