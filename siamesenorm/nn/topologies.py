@@ -530,13 +530,19 @@ def _rms_project(x: torch.Tensor, norm: nn.Module, proj: torch.Tensor) -> torch.
     return rms_project(x, wp, eps)
 
 
-def _weighted_streams(h: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """sum_s weights[..., s] h[..., s, :] for streams h (..., n, d): eager one batched product (a bmm with N = 1:
-    H read once, the sum written once); compiled, the broadcast product and its sum, which inductor fuses into one
-    kernel with its neighbours where the bmm would stay an extern kernel of its own (and its backward two more)."""
+def _mix_streams(h: torch.Tensor, m: torch.Tensor, layout: str) -> torch.Tensor:
+    """Weighted sums of the streams h (..., n, d): sum_s m[.., s, ..] h[..., s, :], the weights m laid out as
+    ``layout`` says: "s" (..., n) -> (..., d); "js" (..., k, n) or "sj" (..., n, k) -> (..., k, d).
+
+    Eager one batched product (a bmm: H read once, the sums written once); compiled, the broadcast product and its
+    sum, which inductor fuses into one kernel with its neighbours where the bmm would stay an extern kernel of its
+    own (and its backward two more). The broadcast follows m's layout because inductor's fusion does: with mHC's
+    "js" weights transposed to "sj" (or its branch input's "s" given a k of 1), its compiled backward with recompute
+    off moved about 1 GB more a layer; hc's "sj" as "js" cost two kernels more."""
     if torch.compiler.is_compiling():
-        return (h * weights.unsqueeze(-1)).sum(-2)
-    return torch.einsum("...sd,...s->...d", h, weights)
+        hs = {"s": h, "js": h.unsqueeze(-3), "sj": h.unsqueeze(-2)}[layout]
+        return (m.unsqueeze(-1) * hs).sum(layout.index("s") - len(layout) - 1)
+    return torch.einsum(f"...{layout},...sd->...{layout.replace('s', '')}d", m, h)
 
 
 def _fusable_norm(norm: nn.Module, name: str) -> None:
@@ -632,12 +638,9 @@ class HyperConnection(_Connection):
         else:
             alpha, beta = alpha.expand(*h.shape[:-1], 1 + self.n), beta.expand(*h.shape[:-1])
         if self.mixes_in_op:
-            inp = _weighted_streams(h, alpha[..., 0].to(h.dtype))
+            inp = _mix_streams(h, alpha[..., 0].to(h.dtype), "s")
             return inp, alpha[..., 1:].transpose(-1, -2), beta
-        if torch.compiler.is_compiling():  # see _weighted_streams
-            mixed = (h.unsqueeze(-2) * alpha.to(h.dtype).unsqueeze(-1)).sum(-3)  # (..., 1 + n, d)
-        else:
-            mixed = torch.einsum("...sd,...sk->...kd", h, alpha.to(h.dtype))  # (..., 1 + n, d)
+        mixed = _mix_streams(h, alpha.to(h.dtype), "sj")  # (..., 1 + n, d)
         return mixed[..., 0, :], mixed[..., 1:, :], beta.to(h.dtype)
 
 
@@ -729,13 +732,10 @@ class ManifoldHyperConnection(_Connection):
         """-> branch input (..., d), mixed streams H_res H (..., n, d), H_post (..., n), in h's dtype; fused:
         H_res (..., n, n) and H_post in fp32 (the op mixes)."""
         pre, post, res = self.coefficients(h)
-        inp = _weighted_streams(h, pre.to(h.dtype))
+        inp = _mix_streams(h, pre.to(h.dtype), "s")
         if self.mixes_in_op:
             return inp, res, post
-        if torch.compiler.is_compiling():  # see _weighted_streams
-            mixed = (res.to(h.dtype).unsqueeze(-1) * h.unsqueeze(-3)).sum(-2)
-        else:
-            mixed = torch.einsum("...js,...sd->...jd", res.to(h.dtype), h)
+        mixed = _mix_streams(h, res.to(h.dtype), "js")
         return inp, mixed, post.to(h.dtype)
 
 

@@ -178,3 +178,22 @@ def test_stream_mixing_is_the_sinkhorn_limit_of_a_two_by_two_h_res():
         torch.testing.assert_close(mx, coefficient * x + (1 - coefficient) * y)
     with pytest.raises(ValueError, match="unknown"):
         snn.StreamMixing(16, "learned")
+
+
+@pytest.mark.parametrize("compiling", [False, True])
+@pytest.mark.parametrize("layout", ["s", "js", "sj"])
+def test_the_streams_weighted_sums_agree_in_every_layout_eager_and_compiled(monkeypatch, layout, compiling):
+    """hc's and mHC's branch input and stream mix: the eager einsum and the broadcast form inductor fuses (chosen by
+    torch.compiler.is_compiling, patched here) both give sum_s m[.., s, ..] h_s, written as a loop over the streams."""
+    from siamesenorm.nn.topologies import _mix_streams
+
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: compiling)
+    gen = torch.Generator().manual_seed(0)
+    n, k, d = 4, 3, 5
+    h = torch.randn(2, 7, n, d, generator=gen, dtype=torch.float64)
+    m = torch.randn(2, 7, *{"s": (n,), "js": (k, n), "sj": (n, k)}[layout], generator=gen, dtype=torch.float64)
+    weight = {"s": lambda s: m[..., s, None], "js": lambda s: m[..., :, s, None], "sj": lambda s: m[..., s, :, None]}
+    expected = sum(weight[layout](s) * (h[..., s, :] if layout == "s" else h[..., None, s, :]) for s in range(n))
+    out = _mix_streams(h, m, layout)
+    assert out.shape == ((2, 7, d) if layout == "s" else (2, 7, k, d))
+    torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
