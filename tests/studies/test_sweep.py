@@ -136,6 +136,31 @@ def test_each_study_folder_holds_its_plan_results_figures_and_page():
         assert any(f.name in page for f in (study / "figures").glob("*.png")), study.name
 
 
+def test_the_replication_plan_reruns_every_judged_configuration_with_seeds_the_study_did_not_use():
+    """studies/cpu-2026-field/replicate.yaml: each configuration judged at depth 16 (figures/standard.json) and
+    Pre-Norm, at the best rate the study found, on at least three seeds none of which a committed record of that
+    configuration used; Pre-Norm at every shape the plan runs; its results kept apart from the study's."""
+    study = ROOT / "studies" / "cpu-2026-field"
+    plan = load_plan(str(study / "replicate.yaml"))
+    standard = json.loads((study / "figures" / "standard.json").read_text())
+    judged = {c["configuration"]: c["lr"] for c in standard["comparisons"] if not c["verdict"].startswith("not judged")}
+    judged[standard["comparisons"][0]["baseline"]] = standard["comparisons"][0]["baseline_lr"]
+    assert len(judged) >= 8, judged
+    cells: dict = {}
+    for cell in plan.cells:
+        cells.setdefault((cell.name.rsplit("-lr", 1)[0], cell.learning_rate), set()).add(cell.seed)
+    for configuration, lr in judged.items():
+        seeds = cells.get((configuration, lr), set())
+        used = {seed for rate in standard["configurations"][configuration]["rates"].values() for seed in rate["seeds"]}
+        assert len(seeds) >= 3 and not seeds & used, (configuration, lr, seeds, used)
+    for configuration, _ in cells:
+        shape = configuration.partition("-")[2]
+        if "n_layers=" in shape:
+            assert any(name == "pre-" + "-".join(k for k in shape.split("-") if "d_model" in k or "n_layers" in k)
+                       for name, _ in cells), configuration
+    assert Path(plan.results).resolve() != (study / "results").resolve()
+
+
 @pytest.mark.slow
 def test_a_sweep_with_framework_olmo_core_trains_its_cells_on_olmo_core(tmp_path, austen_prepared):
     """``framework: olmo_core``: each cell is trained by scripts/train_olmo_core.py, its record and results kept as
