@@ -558,13 +558,16 @@ class _Connection(nn.Module):
     (siamesenorm/nn/fused.py ``stream_mix``: the mixed streams are never written)."""
 
     fused: bool = False
+    #: Whether ``stream_mix`` also mixes under ``torch.compile``, or gives way to plain arithmetic that inductor fuses
+    #: into its neighbours; chosen per connection by the cost model's compiled count of a middle block at 256 tokens
+    #: (the 1.3B recipe's width, fused, recompute on; ``_compiled_middle_block``): hc with the op 215.6 + 440.7 MB
+    #: forward + backward against 211.3 + 453.2 without it; mhc 240.4 + 510.8 against 232.1 + 515.0.
+    MIX_IN_OP_COMPILED = False
 
     @property
     def mixes_in_op(self) -> bool:
-        """Whether ``stream_mix`` mixes: fused, and not under ``torch.compile``, whose own fusion of the mixing into
-        the next connection's reads of H moves fewer bytes than the opaque op (the cost model's compiled count,
-        all else equal: mhc 18.8 GB a layer without the op, 20.2 with it)."""
-        return self.fused and not torch.compiler.is_compiling()
+        """Whether ``stream_mix`` mixes: fused, and under ``torch.compile`` only where MIX_IN_OP_COMPILED says."""
+        return self.fused and (self.MIX_IN_OP_COMPILED or not torch.compiler.is_compiling())
 
     def depth(self, h: torch.Tensor, carried: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.mixes_in_op:
@@ -588,6 +591,8 @@ class HyperConnection(_Connection):
     way (siamesenorm/nn/fused.py ``rms_project``: H read in its own dtype, accumulated in fp32), so the normalised
     streams are never written.
     """
+
+    MIX_IN_OP_COMPILED = True  # see _Connection: fewer bytes compiled with the op (n = 2), more for mhc's n = 4
 
     def __init__(self, n: int, dim: int, layer: int = 0, norm: NormFactory = nn.LayerNorm, dynamic: bool = True,
                  scale_init: float = 0.01, decay_dynamic: bool = True, device=None, fused: bool = False):
