@@ -162,6 +162,21 @@ def test_compiled_blocks_move_fewer_bytes_in_fewer_kernels_than_eager(model_type
     assert both["layer"]["forward"]["matmul_flops"] == eager["forward"]["matmul_flops"]
 
 
+@pytest.mark.slow
+def test_compiled_fused_hc_keeps_its_stream_mix_op_and_mhc_gives_it_to_inductor(_fresh_dynamo):
+    """``MIX_IN_OP_COMPILED``: under torch.compile hc's fused connection still mixes in ``stream_mix`` (one op each
+    way, extern to inductor), mhc's gives the mix to inductor's own kernels; both still project in ``rms_project``."""
+    ops = {}
+    for model_type in ("hc", "mhc"):
+        cfg = tiny_config(n_layers=3, d_model=64, n_heads=4, weight_tying=False, fused_streams=True,
+                          mhc_sinkhorn_iterations=4)
+        block = costmodel._compiled_middle_block(cfg, model_type, 32)
+        ops[model_type] = {phase: set(cost.by_op) for phase, cost in block.items()}
+    assert {"stream_mix_forward"} <= ops["hc"]["forward"] and {"stream_mix_backward"} <= ops["hc"]["backward"], ops
+    assert not any(op.startswith("stream_mix") for phase in ops["mhc"].values() for op in phase), ops
+    assert all("project_forward" in ops[m]["forward"] for m in ops), ops
+
+
 def test_fake_activation_count_equals_the_real_tensors_saved():
     """The memory model's activations (fake tensors, no memory) are what autograd keeps with real tensors: the same
     model, bf16 parameters, bf16 autocast, OLMo's loss."""
