@@ -137,15 +137,17 @@ def test_each_study_folder_holds_its_plan_results_figures_and_page():
 
 
 def test_the_replication_plan_reruns_every_judged_configuration_with_seeds_the_study_did_not_use():
-    """studies/cpu-2026-field/replicate.yaml: each configuration judged at depth 16 (figures/standard.json) and
-    Pre-Norm, at the best rate the study found, on at least three seeds none of which a committed record of that
+    """studies/cpu-2026-field/replicate.yaml: each configuration judged at depth 16 (figures/standard.json) and its
+    Pre-Norm, at the best rates the study found, on at least three seeds none of which a committed record of that
     configuration used; Pre-Norm at every shape the plan runs; its results kept apart from the study's."""
     study = ROOT / "studies" / "cpu-2026-field"
     plan = load_plan(str(study / "replicate.yaml"))
     standard = json.loads((study / "figures" / "standard.json").read_text())
-    judged = {c["configuration"]: c["lr"] for c in standard["comparisons"] if not c["verdict"].startswith("not judged")}
-    judged[standard["comparisons"][0]["baseline"]] = standard["comparisons"][0]["baseline_lr"]
-    assert len(judged) >= 8, judged
+    judged = {}
+    for c in standard["comparisons"]:
+        if not c["verdict"].startswith("not judged") and "n_layers=" not in c["configuration"]:  # depth 16
+            judged[c["configuration"]], judged[c["baseline"]] = c["lr"], c["baseline_lr"]
+    assert len(judged) >= 9 and "pre" in judged, judged
     cells: dict = {}
     for cell in plan.cells:
         cells.setdefault((cell.name.rsplit("-lr", 1)[0], cell.learning_rate), set()).add(cell.seed)
@@ -153,11 +155,8 @@ def test_the_replication_plan_reruns_every_judged_configuration_with_seeds_the_s
         seeds = cells.get((configuration, lr), set())
         used = {seed for rate in standard["configurations"][configuration]["rates"].values() for seed in rate["seeds"]}
         assert len(seeds) >= 3 and not seeds & used, (configuration, lr, seeds, used)
-    for configuration, _ in cells:
-        shape = configuration.partition("-")[2]
-        if "n_layers=" in shape:
-            assert any(name == "pre-" + "-".join(k for k in shape.split("-") if "d_model" in k or "n_layers" in k)
-                       for name, _ in cells), configuration
+    shape = {cell: tuple((k, v) for k, v in cell.knobs if k in ("n_layers", "d_model")) for cell in plan.cells}
+    assert set(shape.values()) == {shape[c] for c in plan.cells if c.model_type == "pre"}, shape
     assert Path(plan.results).resolve() != (study / "results").resolve()
 
 
