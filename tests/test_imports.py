@@ -97,7 +97,7 @@ LIGHT = {"siamesenorm", "siamesenorm.cli", *_COMMANDS, "siamesenorm.models.olmo_
 DEFERRED = ("transformers", "matplotlib", "wandb", "datasets", "pyarrow", "tokenizers", "safetensors", "olmo_core",
             "olmo_data", "torch._inductor", "torch._dynamo", "torch._functorch", "torch._subclasses",
             "torch.distributed._shard", "torch.distributed.remote_device", "torch.utils.benchmark",
-            "torch.utils.flop_counter", "ctypes")
+            "torch.utils.flop_counter", "torch.profiler", "ctypes")
 # 3. An export's modelling code (siamesenorm/export/remote/) imports files written next to it at export time.
 GENERATED = {"siamesenorm.export.remote.modeling_siamesenorm": {".olmo_lite", ".variant_table"}}
 

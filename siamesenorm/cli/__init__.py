@@ -30,6 +30,7 @@ COMMANDS: Dict[str, Tuple[str, str, str]] = {
     "benchmark": ("benchmark", "main", "measure step time and memory; the cost model's breakdown"),
     "make-sbatch": ("make_sbatch", "main", "a SLURM batch script for a multi-node run"),
     "gpu-check": ("gpu_check", "main", "the end-to-end check on a GPU machine"),
+    "gpu-compare": ("gpu_compare", "main", "a GPU profile beside the cost model of the same configuration"),
     "sinkhorn-convergence": ("sinkhorn_convergence", "main", "mHC's Sinkhorn projection, iterations vs error"),
     "compare-models": ("compare_models", "main", "two source trees build the same models, bit for bit"),
 }

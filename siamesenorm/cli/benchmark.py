@@ -67,6 +67,10 @@ def main(argv=None) -> int:
     parser.add_argument("--precision", choices=["bf16", "fp32"], default=None,
                         help="the timed steps' forward under bf16 autocast (as amp_bf16 trains) or in fp32 "
                         "(default: on a GPU the recipe's precision, on a CPU fp32)")
+    parser.add_argument("--profile", action="store_true",
+                        help="instead of the table: each variant's step under torch.profiler, one at a time: wall and "
+                        "kernel time a step, kernels launched, how busy the device is, the top kernels by device time "
+                        "(--json writes them all)")
     parser.add_argument("--gpus", type=int, default=8, help="--memory-model: GPUs the state is sharded over (8)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None,
                         help="--memory-model: with the chunked loss (the config's loss_chunk_tokens)")
@@ -147,6 +151,8 @@ def main(argv=None) -> int:
         BenchSettings,
         breakdown,
         breakdown_markdown,
+        profile,
+        profile_markdown,
         recompute_cost,
         run,
         save,
@@ -165,6 +171,13 @@ def main(argv=None) -> int:
         return 0
     if args.breakdown:
         print(breakdown_markdown(breakdown(settings)))
+        return 0
+    if args.profile:
+        result = profile(settings)
+        print(profile_markdown(result))
+        if args.json:
+            save(result, args.json)
+            print(f"wrote {args.json}")
         return 0
     result = run(settings)
     s = result["settings"]

@@ -27,8 +27,10 @@ import time
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
+from torch.autograd import DeviceType
 
 from siamesenorm.models.build import build_model
+from siamesenorm.perf.costmodel import estimate_seconds, total
 from siamesenorm.run.process import allow_recompiles
 from siamesenorm.run.recipe import load_config
 from siamesenorm.variants._base import set_recompute
@@ -389,3 +391,150 @@ def recompute_cost(settings: BenchSettings) -> Dict[str, Dict[str, float]]:
     base = statistics.median(times[("pre", True)])
     return {mt: {("on" if on else "off"): statistics.median(times[(mt, on)]) / base for on in (True, False)}
             for mt in steps}
+
+
+def _annotation(avg) -> bool:
+    return bool(getattr(avg, "is_user_annotation", False)) or avg.key.startswith(("Optimizer.", "ProfilerStep"))
+
+
+def _device_time_us(avg) -> float:
+    return float(getattr(avg, "self_device_time_total", None) or getattr(avg, "self_cuda_time_total", 0) or 0)
+
+
+def profile(settings: BenchSettings, top: int = 25,
+            progress: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> Dict:
+    """Where each variant's step goes on the device (``torch.profiler``), one variant at a time after two warm
+    steps, over ``steps_per_timing`` profiled steps: the step's wall time, the kernels' summed device time and
+    their count per step (device time / wall time: how busy the launches keep the GPU), the optimizer step's device
+    span (its annotation; forward + backward is the kernel time less it), and the ``top`` kernels by device time. On a CPU there are no device kernels: the kernel figures are then the CPU ops'."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    cfg = model_config(settings)
+    types = list(dict.fromkeys(["pre", *settings.model_types]))
+    cuda = settings.device == "cuda"
+    kind = DeviceType.CUDA if cuda else DeviceType.CPU
+    n = settings.steps_per_timing
+    rows = []
+    for mode in settings.modes:
+        for mt in types:
+            v = _Variant(mt, mode, settings, cfg)
+            v.step()
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+            with torch_profile(activities=activities) as prof:
+                started = time.perf_counter()
+                for _ in range(n):
+                    v.step()
+                wall = (time.perf_counter() - started) / n
+            # a user annotation's device span (the optimizer's "Optimizer.step#AdamW.step") covers kernels
+            # counted on their own: left out, or the optimizer is counted twice
+            everything = prof.key_averages()
+            avgs = [a for a in everything if a.device_type == kind and not _annotation(a)]
+            optimizer_ms = sum(_device_time_us(a) for a in everything
+                               if a.device_type == kind and a.key.startswith("Optimizer.step")) / n / 1e3
+            if cuda and not avgs:  # a profiler that files kernels under their CPU ops: each op's own device time
+                avgs = list(prof.key_averages())
+            if cuda:
+                timed = [(a.key, a.count / n, _device_time_us(a) / n / 1e3) for a in avgs]
+            else:  # CPU: the leaf ops' self time
+                timed = [(a.key, a.count / n, a.self_cpu_time_total / n / 1e3) for a in avgs]
+            timed = [t for t in timed if t[2] > 0]
+            timed.sort(key=lambda t: -t[2])
+            busy = sum(t[2] for t in timed)
+            rows.append({"model_type": mt, "mode": mode, "wall_ms": wall * 1e3, "kernel_ms": busy,
+                         "optimizer_ms": optimizer_ms,
+                         "kernels": sum(t[1] for t in timed), "busy": busy / (wall * 1e3),
+                         "top": [{"name": k[:160], "per_step": c, "ms": ms} for k, c, ms in timed[:top]]})
+            progress(f"[{mode}] profiled {mt}: {wall * 1e3:.1f} ms a step, kernels {busy:.1f} ms "
+                     f"({rows[-1]['kernels']:.0f} launches)")
+            del v, prof
+            gc.collect()
+        if mode == "compiled":
+            torch._dynamo.reset()
+    return {"settings": {**dataclasses.asdict(settings), "model_types": types, "n_layers": cfg.n_layers,
+                         "d_model": cfg.d_model, "torch": torch.__version__,
+                         "autocast": str(autocast_dtype(settings) or "none").replace("torch.", ""),
+                         "device_name": torch.cuda.get_device_name() if cuda else "cpu"}, "rows": rows}
+
+
+def profile_markdown(result: Dict) -> str:
+    """Per variant: wall and kernel time a step, launches, busy fraction; then each variant's top kernels."""
+    rows = result["rows"]
+    base = {r["mode"]: r for r in rows if r["model_type"] == "pre"}
+    out = ["| MODEL_TYPE | mode | wall ms | x pre | kernel ms | x pre | kernels a step | busy |",
+           "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        b = base[r["mode"]]
+        out.append(f"| {r['model_type']} | {r['mode']} | {r['wall_ms']:.1f} | {r['wall_ms'] / b['wall_ms']:.3f} | "
+                   f"{r['kernel_ms']:.1f} | {r['kernel_ms'] / b['kernel_ms']:.3f} | {r['kernels']:.0f} | "
+                   f"{r['busy']:.0%} |")
+    for r in rows:
+        out += ["", f"{r['model_type']} ({r['mode']}): top kernels by device time a step", "",
+                "| kernel | a step | ms |", "| --- | ---: | ---: |"]
+        out += [f"| `{t['name'][:100]}` | {t['per_step']:g} | {t['ms']:.2f} |" for t in r["top"]]
+    return "\n".join(out)
+
+
+def _forward_backward_ms(row: Dict) -> float:
+    """A profiled row's forward + backward kernel time: the kernels less the optimizer's. Rows from before the
+    profile left the optimizer's annotation out of the kernel sum carry it in their top kernels (counted twice)."""
+    if "optimizer_ms" in row:
+        return row["kernel_ms"] - row["optimizer_ms"]
+    annotation = sum(t["ms"] for t in row["top"] if t["name"].startswith("Optimizer.step"))
+    return row["kernel_ms"] - 2 * annotation
+
+
+def against_cost_model(profiled: Dict, costs: Sequence[Dict], device: str) -> str:
+    """Measured forward + backward kernel time (``profile``) beside the cost model's estimate of the same
+    configuration on ``device`` (``costmodel`` results of ``--cost-model`` at the same layers, batch and sequence),
+    as milliseconds and ratios to pre of the same mode."""
+    predicted = {}
+    for cost in costs:
+        for mt, modes in cost["rows"].items():
+            for mode, r in modes.items():
+                predicted[(mt, mode)] = estimate_seconds(total(r["step"]), device) * 1e3
+    rows = profiled["rows"]
+    base = {r["mode"]: r for r in rows if r["model_type"] == "pre"}
+    out = [f"| MODEL_TYPE | mode | step ms | x pre | forward + backward kernels ms | x pre | cost model ms ({device}) "
+           "| x pre | measured / model |", "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for r in rows:
+        b, ms = base[r["mode"]], _forward_backward_ms(r)
+        model = predicted.get((r["model_type"], r["mode"]))
+        model_pre = predicted.get(("pre", r["mode"]))
+        cells = [f"{model:.1f}", f"{model / model_pre:.3f}", f"{ms / model:.2f}"] if model and model_pre else ["-"] * 3
+        out.append(f"| {r['model_type']} | {r['mode']} | {r['wall_ms']:.1f} | {r['wall_ms'] / b['wall_ms']:.3f} | "
+                   f"{ms:.1f} | {ms / _forward_backward_ms(b):.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+#: This project's Triton kernels (siamesenorm/nn/fused.py) by the custom op that launches them, as the cost
+#: model names the op.
+KERNEL_OPS = {"_forward_kernel": "stream_forward", "_backward_kernel": "stream_backward",
+              "_head_forward_kernel": "head_norm_forward", "_head_backward_kernel": "head_norm_backward",
+              "_project_forward_kernel": "project_forward", "_project_dx_kernel": "project_backward_x",
+              "_project_dw_kernel": "project_backward_w", "_sinkhorn_forward_kernel": "sinkhorn_forward",
+              "_sinkhorn_backward_kernel": "sinkhorn_backward", "_mix_forward_kernel": "stream_mix_forward",
+              "_mix_backward_kernel": "stream_mix_backward"}
+
+
+def kernel_bandwidth(profiled: Dict, by_op: Dict[str, Dict[str, Dict[str, list]]], gbps: float) -> str:
+    """Each of this project's kernels in a profile's top list: its time a call, the bytes a call the cost model
+    charges its op (the step's by_op, forward and backward together, per launch) and the bandwidth that makes,
+    against ``gbps`` (the device's)."""
+    out = ["| MODEL_TYPE | mode | kernel | calls a step | us a call | MB a call (cost model) | GB/s | of peak |",
+           "| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+    for r in profiled["rows"]:
+        ops = by_op.get(r["model_type"], {})
+        for t in r["top"]:
+            op = KERNEL_OPS.get(t["name"])
+            if op is None:
+                continue
+            launches = sum(ops.get(phase, {}).get(op, [0, 0])[0] for phase in ("forward", "backward"))
+            nbytes = sum(ops.get(phase, {}).get(op, [0, 0])[1] for phase in ("forward", "backward"))
+            if not launches:
+                continue
+            us = t["ms"] / t["per_step"] * 1e3
+            rate = nbytes / launches / (us * 1e-6) / 1e9
+            out.append(f"| {r['model_type']} | {r['mode']} | `{t['name']}` | {t['per_step']:g} | {us:.0f} | "
+                       f"{nbytes / launches / 1e6:.0f} | {rate:.0f} | {rate / gbps:.0%} |")
+    return "\n".join(out)

@@ -179,3 +179,44 @@ def test_precision_follows_the_recipe_on_a_gpu_and_is_fp32_on_a_cpu_unless_asked
     for dtype in (None, torch.bfloat16):
         step_loss(model, ids, dtype).backward()
     assert seen == [torch.float32, torch.bfloat16]  # the timed step's matmuls run in the precision asked for
+
+
+def test_profile_times_each_variant_and_puts_its_kernels_in_order():
+    from siamesenorm.perf.benchmark import against_cost_model, profile, profile_markdown
+
+    settings = BenchSettings(model_types=["hybrid_pre"], layers=1, d_model=32, batch=1, seq=16, steps_per_timing=1,
+                             modes=["eager"], device="cpu")
+    result = profile(settings, top=5, progress=lambda m: None)
+    rows = {r["model_type"]: r for r in result["rows"]}
+    assert set(rows) == {"pre", "hybrid_pre"}
+    for r in rows.values():
+        ms = [t["ms"] for t in r["top"]]
+        assert 0 < len(ms) <= 5 and ms == sorted(ms, reverse=True)
+        assert r["kernel_ms"] >= sum(ms) and r["wall_ms"] > 0
+        assert not any(t["name"].startswith("Optimizer.") for t in r["top"])  # the annotation is not a kernel
+    # hybrid_pre's block runs more ops than pre's (the second stream's norm and add)
+    assert rows["hybrid_pre"]["kernels"] > rows["pre"]["kernels"]
+    assert profile_markdown(result).count("| hybrid_pre | eager |") == 1
+    # beside a cost model whose hybrid_pre costs twice pre's: its model ratio is 2
+    step = {"forward": {"matmul_flops": 0, "bytes": 10 ** 9, "kernels": 1}}
+    costs = [{"rows": {"pre": {"eager": {"step": step}},
+                       "hybrid_pre": {"eager": {"step": {"forward": {**step["forward"], "bytes": 2 * 10 ** 9}}}}}}]
+    table = against_cost_model(result, costs, "h100-80gb")
+    assert "| 2.000 |" in table.splitlines()[3] and "| 1.000 |" in table.splitlines()[2]
+
+
+def test_the_committed_h100_profile_fits_its_kernels_inside_the_step():
+    """The first H100 profile was written while the optimizer's annotation was summed as a kernel (kernel time
+    above the step's wall time); read back, forward + backward plus the optimizer fit inside every step."""
+    import json
+    from pathlib import Path
+
+    from siamesenorm.perf.benchmark import _forward_backward_ms
+
+    for mode in ("eager", "compiled"):
+        rows = json.loads(Path(f"results/gpu/h100-2026-11-27/profile-{mode}.json").read_text())["rows"]
+        assert any(r["kernel_ms"] > r["wall_ms"] for r in rows)  # as written
+        for r in rows:
+            optimizer = next(t["ms"] for t in r["top"] if t["name"].startswith("Optimizer.step"))
+            assert 10 < optimizer < 20
+            assert 0 < _forward_backward_ms(r) + optimizer < r["wall_ms"]
