@@ -71,6 +71,10 @@ def main(argv=None) -> int:
                         help="instead of the table: each variant's step under torch.profiler, one at a time: wall and "
                         "kernel time a step, kernels launched, how busy the device is, the top kernels by device time "
                         "(--json writes them all)")
+    parser.add_argument("--tune-kernels", action="store_true",
+                        help="instead of the table: this project's Triton kernels timed in each variant's eager, fused "
+                        "step (torch.profiler) under each candidate launch size of siamesenorm/perf/benchmark.py "
+                        "KERNEL_CANDIDATES, us a call (a GPU's: on a CPU the kernels are torch's; --json writes them)")
     parser.add_argument("--gpus", type=int, default=8, help="--memory-model: GPUs the state is sharded over (8)")
     parser.add_argument("--loss-chunk-tokens", type=int, default=None,
                         help="--memory-model: with the chunked loss (the config's loss_chunk_tokens)")
@@ -157,6 +161,8 @@ def main(argv=None) -> int:
         run,
         save,
         to_markdown,
+        tune_kernels,
+        tune_markdown,
     )
 
     settings = BenchSettings(recipe=args.recipe, model_types=types, layers=args.layers, d_model=args.d_model, vocab=args.vocab,
@@ -171,6 +177,13 @@ def main(argv=None) -> int:
         return 0
     if args.breakdown:
         print(breakdown_markdown(breakdown(settings)))
+        return 0
+    if args.tune_kernels:
+        result = tune_kernels(settings)
+        print(tune_markdown(result))
+        if args.json:
+            save(result, args.json)
+            print(f"wrote {args.json}")
         return 0
     if args.profile:
         result = profile(settings)

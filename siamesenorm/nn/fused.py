@@ -811,6 +811,7 @@ if triton is not None:
 
 
 _SINKHORN_BLOCK_T = 64  # tokens a program
+_SINKHORN_WARPS = 4
 
 
 def _sinkhorn_launch(kernel, logits: Tensor, *tensors: Tensor, iterations: int, columns_first: bool) -> None:
@@ -818,7 +819,7 @@ def _sinkhorn_launch(kernel, logits: Tensor, *tensors: Tensor, iterations: int, 
     tokens = logits.numel() // (n * n)
     kernel[(triton.cdiv(tokens, _SINKHORN_BLOCK_T),)](logits, *tensors, tokens, n, 2 * iterations,
                                                      COLUMNS_FIRST=bool(columns_first), BLOCK_T=_SINKHORN_BLOCK_T,
-                                                     N=triton.next_power_of_2(n))
+                                                     N=triton.next_power_of_2(n), num_warps=_SINKHORN_WARPS)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::sinkhorn_forward", mutates_args=())
@@ -1064,10 +1065,14 @@ if triton is not None:
 
     @triton.jit
     def _project_dx_kernel(X, W, LOG, RSTD, DLOG, DX, rows, n, k, x_row, BLOCK_R: tl.constexpr,
-                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-        """dx = (dlog rstd) @ W^T - rstd^2 <dlog, logits> x / N, BLOCK_R rows, x read once and dx written once in
-        x's dtype (computed in fp32)."""
+                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr,
+                           CHUNKS: tl.constexpr):
+        """dx = (dlog rstd) @ W^T - rstd^2 <dlog, logits> x / N, BLOCK_R rows by CHUNKS x BLOCK_N features, x read
+        once and dx written once in x's dtype (computed in fp32). Each row's dlog, logits and rstd (K + 1 values,
+        in L2 at every size) are read by each of its feature programs: the rows' features need no reduction, so
+        they spread over programs (a whole row a program left an H100's memory system mostly idle)."""
         r = tl.program_id(0).to(tl.int64) * BLOCK_R + tl.arange(0, BLOCK_R)
+        first = tl.program_id(1) * (CHUNKS * BLOCK_N)
         kk = tl.arange(0, BLOCK_K)
         rk = (r[:, None] < rows) & (kk[None, :] < k)
         rstd = tl.load(RSTD + r, mask=r < rows, other=0.0)
@@ -1075,8 +1080,8 @@ if triton is not None:
         logits = tl.load(LOG + r[:, None] * k + kk[None, :], mask=rk, other=0.0)
         g = dlog * rstd[:, None]
         coef = tl.sum(dlog * logits, axis=1) * rstd * rstd / n
-        for c0 in range(0, n, BLOCK_N):
-            c = c0 + tl.arange(0, BLOCK_N)
+        for j in range(0, CHUNKS):
+            c = first + j * BLOCK_N + tl.arange(0, BLOCK_N)
             m = (r[:, None] < rows) & (c[None, :] < n)
             x = tl.load(X + r[:, None] * x_row + c[None, :], mask=m, other=0.0).to(tl.float32)
             wt = tl.load(W + c[None, :] * k + kk[:, None], mask=(c[None, :] < n) & (kk[:, None] < k),
@@ -1107,6 +1112,13 @@ if triton is not None:
 
 
 _PROJECT_BLOCK_R, _PROJECT_BLOCK_N = 32, 64  # rows a program; features a chunk
+_PROJECT_DX_CHUNKS = 4  # dx: feature chunks a program (256 features)
+_PROJECT_DW_PROGRAMS = 256  # dW: about this many (feature chunk, row split) programs
+
+#: The launch sizes a GPU can tune (``scripts/benchmark.py --tune-kernels`` times the kernels with each changed;
+#: the values set here, with _SINKHORN_* and _MIX_BLOCK_T above, are what every check and count uses).
+TUNABLES = ("_PROJECT_BLOCK_R", "_PROJECT_BLOCK_N", "_PROJECT_DX_CHUNKS", "_PROJECT_DW_PROGRAMS", "_SINKHORN_BLOCK_T",
+            "_SINKHORN_WARPS", "_MIX_BLOCK_T")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -1118,7 +1130,7 @@ def _project_splits(rows: int, n: int) -> Tuple[int, int]:
     when the features are few (hc's rows are d wide; at most 64 splits), each split a whole number of row blocks.
     The number of splits depends on N only, so that dW's partial sums are the same size at every token count (the
     compiled cost model carries two small samples linearly to the recipe's)."""
-    splits = min(64, max(1, _cdiv(256, _cdiv(n, _PROJECT_BLOCK_N))))
+    splits = min(64, max(1, _cdiv(_PROJECT_DW_PROGRAMS, _cdiv(n, _PROJECT_BLOCK_N))))
     return splits, _cdiv(_cdiv(rows, _PROJECT_BLOCK_R), splits) * _PROJECT_BLOCK_R
 
 
@@ -1159,8 +1171,9 @@ def _project_dx_impl(x: Tensor, wp: Tensor, logits: Tensor, rstd: Tensor, dlog: 
     rows = xv.shape[0]
     dlog, logits, rstd = (t.float().contiguous().view(rows, -1) for t in (dlog, logits, rstd))
     dx = torch.empty((rows, n), dtype=x.dtype, device=x.device)  # written in x's dtype: no cast
-    _project_dx_kernel[(triton.cdiv(rows, _PROJECT_BLOCK_R),)](xv, wp.float().contiguous(), logits, rstd, dlog, dx,
-                                                               rows, n, k, x_row, **_project_sizes(k, x))
+    grid = (triton.cdiv(rows, _PROJECT_BLOCK_R), triton.cdiv(n, _PROJECT_DX_CHUNKS * _PROJECT_BLOCK_N))
+    _project_dx_kernel[grid](xv, wp.float().contiguous(), logits, rstd, dlog, dx, rows, n, k, x_row,
+                             CHUNKS=_PROJECT_DX_CHUNKS, **_project_sizes(k, x))
     return dx.view(x.shape)
 
 

@@ -538,3 +538,58 @@ def kernel_bandwidth(profiled: Dict, by_op: Dict[str, Dict[str, Dict[str, list]]
             out.append(f"| {r['model_type']} | {r['mode']} | `{t['name']}` | {t['per_step']:g} | {us:.0f} | "
                        f"{nbytes / launches / 1e6:.0f} | {rate:.0f} | {rate / gbps:.0%} |")
     return "\n".join(out)
+
+
+#: Launch sizes ``tune_kernels`` tries by default, one change at a time from siamesenorm/nn/fused.py's defaults:
+#: more, smaller programs where the H100 profile showed kernels far below the bandwidth (the coefficient
+#: projection, Sinkhorn's backward), and the other way, so that a gain is seen as a trend, not one point.
+KERNEL_CANDIDATES = ({}, {"_PROJECT_BLOCK_R": 16}, {"_PROJECT_BLOCK_N": 128}, {"_PROJECT_DX_CHUNKS": 1},
+                     {"_PROJECT_DX_CHUNKS": 16}, {"_PROJECT_DW_PROGRAMS": 1024}, {"_PROJECT_DW_PROGRAMS": 4096},
+                     {"_SINKHORN_BLOCK_T": 16}, {"_SINKHORN_BLOCK_T": 16, "_SINKHORN_WARPS": 1},
+                     {"_SINKHORN_BLOCK_T": 8, "_SINKHORN_WARPS": 1}, {"_MIX_BLOCK_T": 8}, {"_MIX_BLOCK_T": 32})
+
+
+def tune_kernels(settings: BenchSettings, candidates: Sequence[Dict[str, int]] = KERNEL_CANDIDATES,
+                 progress: Callable[[str], None] = lambda m: print(m, file=sys.stderr)) -> Dict:
+    """This project's kernels (``KERNEL_OPS``) timed in each variant's eager step (``profile``) under each set of
+    launch sizes in ``candidates`` (names from ``fused.TUNABLES``; {} is the defaults), one set at a time, the
+    defaults restored after each: {"candidates": [...], "rows": {model_type: {kernel: [us a call per candidate]}}}."""
+    from siamesenorm.nn import fused
+
+    for candidate in candidates:
+        unknown = set(candidate) - set(fused.TUNABLES)
+        if unknown:
+            raise ValueError(f"not a launch size of siamesenorm/nn/fused.py: {sorted(unknown)}; "
+                             f"tunable: {', '.join(fused.TUNABLES)}")
+    eager = dataclasses.replace(settings, modes=["eager"], fused=True)
+    rows: Dict[str, Dict[str, List[Optional[float]]]] = {}
+    for i, candidate in enumerate(candidates):
+        saved = {name: getattr(fused, name) for name in candidate}
+        try:
+            for name, value in candidate.items():
+                setattr(fused, name, value)
+            result = profile(eager, top=200, progress=lambda m: None)
+        finally:
+            for name, value in saved.items():
+                setattr(fused, name, value)
+        for r in result["rows"]:
+            for t in r["top"]:
+                if t["name"] in KERNEL_OPS:
+                    times = rows.setdefault(r["model_type"], {}).setdefault(t["name"], [None] * len(candidates))
+                    times[i] = t["ms"] / t["per_step"] * 1e3
+        progress(f"[tune] {i + 1}/{len(candidates)}: {candidate or 'defaults'}")
+    return {"settings": {**dataclasses.asdict(eager), "device_name": result["settings"]["device_name"]},
+            "candidates": [dict(c) for c in candidates], "rows": rows}
+
+
+def tune_markdown(result: Dict) -> str:
+    """One row a (variant, kernel): us a call under each candidate, the fastest in bold."""
+    names = [", ".join(f"{k.strip('_').lower()}={v}" for k, v in c.items()) or "defaults" for c in result["candidates"]]
+    out = ["| MODEL_TYPE | kernel | " + " | ".join(names) + " |", "| --- | --- |" + " ---: |" * len(names)]
+    for mt, kernels in result["rows"].items():
+        for kernel, times in kernels.items():
+            known = [t for t in times if t is not None]
+            best = min(known) if known else None
+            cells = ["-" if t is None else (f"**{t:.0f}**" if t == best else f"{t:.0f}") for t in times]
+            out.append(f"| {mt} | `{kernel}` | " + " | ".join(cells) + " |")
+    return "\n".join(out)

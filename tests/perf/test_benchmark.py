@@ -220,3 +220,31 @@ def test_the_committed_h100_profile_fits_its_kernels_inside_the_step():
             optimizer = next(t["ms"] for t in r["top"] if t["name"].startswith("Optimizer.step"))
             assert 10 < optimizer < 20
             assert 0 < _forward_backward_ms(r) + optimizer < r["wall_ms"]
+
+
+def test_tune_kernels_times_each_candidate_and_restores_the_defaults(monkeypatch):
+    from siamesenorm.nn import fused
+    from siamesenorm.perf import benchmark
+
+    default = fused._PROJECT_BLOCK_R
+    seen = []
+
+    def fake_profile(settings, top, progress):  # the projection's dx kernel: faster with smaller row blocks
+        seen.append((fused._PROJECT_BLOCK_R, fused._SINKHORN_BLOCK_T, settings.fused, tuple(settings.modes)))
+        us = {32: 600.0, 16: 300.0}.get(fused._PROJECT_BLOCK_R, 900.0)
+        return {"settings": {"device_name": "cpu"}, "rows": [
+            {"model_type": "mhc", "top": [{"name": "_project_dx_kernel", "per_step": 8, "ms": 8 * us / 1e3},
+                                          {"name": "aten::mm", "per_step": 4, "ms": 1.0}]}]}
+
+    monkeypatch.setattr(benchmark, "profile", fake_profile)
+    settings = BenchSettings(model_types=["mhc"], modes=["compiled"], fused=False, device="cpu")
+    result = benchmark.tune_kernels(settings, [{}, {"_PROJECT_BLOCK_R": 16}, {"_SINKHORN_BLOCK_T": 8}],
+                                    progress=lambda m: None)
+    assert seen == [(default, 64, True, ("eager",)), (16, 64, True, ("eager",)), (default, 8, True, ("eager",))]
+    assert fused._PROJECT_BLOCK_R == default and fused._SINKHORN_BLOCK_T == 64  # restored
+    assert result["rows"] == {"mhc": {"_project_dx_kernel": [600.0, 300.0, 600.0]}}  # ours only, us a call
+    table = benchmark.tune_markdown(result)
+    assert "| mhc | `_project_dx_kernel` | 600 | **300** | 600 |" in table and "project_block_r=16" in table
+    with pytest.raises(ValueError, match="not a launch size.*_BLOCK_Q"):
+        benchmark.tune_kernels(settings, [{"_BLOCK_Q": 1}])
+    assert len(seen) == 3  # refused before any profile ran
