@@ -538,10 +538,17 @@ def _mix_streams(h: torch.Tensor, m: torch.Tensor, layout: str) -> torch.Tensor:
     sum, which inductor fuses into one kernel with its neighbours where the bmm would stay an extern kernel of its
     own (and its backward two more). The broadcast follows m's layout because inductor's fusion does: with mHC's
     "js" weights transposed to "sj" (or its branch input's "s" given a k of 1), its compiled backward with recompute
-    off moved about 1 GB more a layer; hc's "sj" as "js" cost two kernels more."""
+    off moved about 1 GB more a layer; hc's "sj" as "js" cost two kernels more.
+
+    Eager "s" is the product H^T m, (d, n) @ (n, 1) a token, rather than m^T H, (1, n) @ (n, d): the same sums, but
+    the weights' gradient is then H g, (n, d) @ (d, 1), a matrix-vector product, where as g H^T, (1, d) @ (d, n), it
+    went to a tensor-core kernel of 32 x 32 tiles for 1 x n outputs (on an H100: 1.25 ms a call at 8,192 tokens of
+    d 2048, 10 ms of a 4-layer step; results/gpu/h100-2026-11-27)."""
     if torch.compiler.is_compiling():
         hs = {"s": h, "js": h.unsqueeze(-3), "sj": h.unsqueeze(-2)}[layout]
         return (m.unsqueeze(-1) * hs).sum(layout.index("s") - len(layout) - 1)
+    if layout == "s":
+        return (h.transpose(-1, -2) @ m.unsqueeze(-1)).squeeze(-1)
     return torch.einsum(f"...{layout},...sd->...{layout.replace('s', '')}d", m, h)
 
 

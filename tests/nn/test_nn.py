@@ -197,3 +197,35 @@ def test_the_streams_weighted_sums_agree_in_every_layout_eager_and_compiled(monk
     out = _mix_streams(h, m, layout)
     assert out.shape == ((2, 7, d) if layout == "s" else (2, 7, k, d))
     torch.testing.assert_close(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def test_the_branch_inputs_weight_gradient_is_a_matrix_vector_product():
+    """Eager, the weighted sum of the streams for a branch input is H^T m, so that its weights' gradient is H g, an
+    (n, d) @ (d, 1) product a token: as g H^T, a (1, d) @ (d, n) product, it went to a tensor-core kernel of 32 x 32
+    tiles on an H100 (results/gpu/h100-2026-11-27: 1.25 ms a call)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from siamesenorm.nn.topologies import _mix_streams
+
+    products = []
+
+    class Products(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func in (torch.ops.aten.bmm.default, torch.ops.aten.mm.default):
+                products.append((tuple(args[0].shape), tuple(args[1].shape)))
+            return out
+
+    n, d = 4, 64
+    h = torch.randn(3, 5, n, d, dtype=torch.float64, requires_grad=True)
+    m = torch.randn(3, 5, n, dtype=torch.float64, requires_grad=True)
+    out = _mix_streams(h, m, "s")
+    g = torch.randn_like(out)
+    with Products():
+        out.backward(g)
+    # every product's output is a column (n x 1, the weights' gradient) or its reduction is 1 long (the streams'
+    # gradient, an outer product); none reduces over d into a 1 x n row
+    assert products and all(b[-1] == 1 or a[-1] == 1 for a, b in products), products
+    assert not any(a[-2] == 1 and a[-1] == d for a, b in products), products
+    torch.testing.assert_close(m.grad, (h * g.unsqueeze(-2)).sum(-1).detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(h.grad, m.unsqueeze(-1).detach() * g.unsqueeze(-2), rtol=1e-12, atol=1e-12)
