@@ -2,20 +2,22 @@
 # The GPU check's cost-model half, for a lease of minutes (one GPU, torch, no package index), in the order a
 # 15-minute lease showed fits (about 9 minutes on an H200, its start not counted), the figures the cost model's
 # targets are stated in first: the step times of pre, post_pre, hybrid_pre, hc and mhc at the 1.3B width (4 layers,
-# batch 4 x 2048, bf16 autocast as the recipe trains), eager fused on; the same five compiled, fused on; eager
-# fused off; where each eager step's device time goes (torch.profiler: scripts/benchmark.py --profile); the fused
-# kernels against their references at the recipes' width in bf16 (siamesenorm.nn.fused.check). Each stage has its
+# batch 4 x 2048, bf16 autocast as the recipe trains), eager fused on; the same five compiled, fused on; this
+# project's kernels under candidate launch sizes (scripts/benchmark.py --tune-kernels); where each eager step's
+# device time goes (torch.profiler: --profile); eager fused off; the fused kernels against their references at
+# the recipes' width in bf16 (siamesenorm.nn.fused.check). Each stage has its
 # own time limit and writes into OUTDIR as it ends, so a lease cut short still returns the stages that finished.
 # The training half (the seed variants under torchrun, resume, export) is scripts/gpu_check.sh.
 #
 #   bash scripts/gpu_quick_check.sh [WHEELHOUSE] [OUTDIR]    # defaults: wheelhouse/, results/gpu/quick
 #
-# Stage limits (seconds) by environment: T_EAGER (each eager timing, 120), T_COMPILED (260), T_PROFILE (90),
-# T_KERNELS (150). On one H100 (2026-11-27) the timings took 65, 198 and 40 s, the profile about 60, and the bf16
-# kernel check did not end in 100 s. OUTDIR holds 13 files: tar it where a lease returns fewer.
+# Stage limits (seconds) by environment: T_EAGER (each eager timing, 120), T_COMPILED (260), T_TUNE (240),
+# T_PROFILE (90), T_KERNELS (150). On one H100 (2026-11-27) the timings took 65 (eager, fused on), 198 (compiled)
+# and 40 s (eager, fused off), the profile about 60, and the bf16 kernel check did not end in 100 s; the tuning
+# stage had not run. OUTDIR holds 15 files: tar it where a lease returns fewer.
 set -uo pipefail
 if [ "${1:-}" = "-h" ] || [ "${1:-}" = "--help" ]; then
-    sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'
+    sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'
     exit 0
 fi
 cd "$(dirname "$0")/.."
@@ -47,9 +49,12 @@ eager() {
 eager on
 stage compiled-fused-on "${T_COMPILED:-260}" "$PY" scripts/benchmark.py "${ARGS[@]}" --modes compiled --fused on \
     --json "$DIR/compiled-fused-on.json"
-eager off
+stage tune-kernels "${T_TUNE:-240}" "$PY" scripts/benchmark.py --recipe configs/OLMo-1B-2e-3.yaml --layers 2 \
+    --batch 4 --seq 2048 --steps-per-timing 2 --model-types hybrid_pre hc mhc --tune-kernels \
+    --json "$DIR/tune-kernels.json"
 stage profile-eager "${T_PROFILE:-90}" "$PY" scripts/benchmark.py "${ARGS[@]}" --modes eager --fused on --profile \
     --json "$DIR/profile-eager.json"
+eager off
 stage kernels "${T_KERNELS:-150}" "$PY" - "$DIR/kernels.json" <<'EOF'
 import json, sys, time
 import torch

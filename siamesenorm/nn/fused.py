@@ -234,6 +234,13 @@ def _rows(t: Tensor, d: int) -> Tuple[Tensor, int]:
     return t.contiguous().view(-1, d), d
 
 
+#: Rows a program of the row-block backwards (the stream op's, the head norms', the pair mix's), which sum their
+#: weights' gradients per program and then over programs; and the head-norm backward's warps (a 64 x 128 fp32
+#: tile of each of several tensors at 16 heads of 128). Tunable (``TUNABLES``).
+_ROWS_PER_PROGRAM = 64
+_HEAD_WARPS = 4
+
+
 def _warps(d: int) -> int:
     """Warps for a kernel that holds whole rows of d features as fp32 vectors (several live at once in the
     backwards): one warp per 256 features, 4 to 8, so that d = 2048 spreads each vector over 256 threads (8 values a
@@ -372,7 +379,7 @@ def _triton_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_
         dy = new((rows, d)) if has_h else dy1  # the end of a block writes dO only
         dx, dxy_stride = new((rows, d)) if has_x and has_h else dy, d
     do = torch.empty((rows, d), dtype=o_dtype, device=dy1.device) if has_o else dy
-    per = min(64, rows)  # rows per program: 64 at training sizes; a small call, one program
+    per = min(_ROWS_PER_PROGRAM, rows)  # rows per program: 64 at training sizes; a small call, one program
     programs = triton.cdiv(rows, per)
     partials = [torch.empty((programs, d), dtype=torch.float32, device=dy.device) if w is not None else dy
                 for w in weights]
@@ -645,14 +652,14 @@ def _head_backward_impl(qkv, dq, dk, dv, table, n_q, n_kv, head_dim, eps) -> Tup
     rows = rows_t.shape[0]
     dq, dk, dv = (t.reshape(rows, -1).contiguous() for t in (dq, dk, dv))
     dt = torch.empty((rows, slots * head_dim), dtype=qkv.dtype, device=qkv.device)
-    per = min(64, rows)
+    per = min(_ROWS_PER_PROGRAM, rows)
     programs = triton.cdiv(rows, per)
     partial = torch.empty((programs, slots, head_dim), dtype=torch.float32, device=qkv.device) \
         if table is not None else dt
     _head_backward_kernel[(programs,)](rows_t, dq, dk, dv, dt, table if table is not None else dt, partial, t_stride,
                                        rows, n_q, n_kv, head_dim, float(eps), HAS_W=table is not None,
                                        ROWS_PER_PROGRAM=per, SLOTS=triton.next_power_of_2(slots),
-                                       BLOCK=triton.next_power_of_2(head_dim))
+                                       BLOCK=triton.next_power_of_2(head_dim), num_warps=_HEAD_WARPS)
     return dt.view(qkv.shape), (partial.sum(0) if table is not None else None)
 
 
@@ -1129,9 +1136,10 @@ _PROJECT_DX_CHUNKS = 4  # dx: feature chunks a program (256 features)
 _PROJECT_DW_PROGRAMS = 256  # dW: about this many (feature chunk, row split) programs
 
 #: The launch sizes a GPU can tune (``scripts/benchmark.py --tune-kernels`` times the kernels with each changed;
-#: the values set here, with _SINKHORN_* and _MIX_BLOCK_T above, are what every check and count uses).
-TUNABLES = ("_PROJECT_BLOCK_R", "_PROJECT_BLOCK_N", "_PROJECT_DX_CHUNKS", "_PROJECT_DW_PROGRAMS", "_SINKHORN_BLOCK_T",
-            "_SINKHORN_WARPS", "_SINKHORN_SEGMENT", "_MIX_BLOCK_T")
+#: the values set here, with _ROWS_PER_PROGRAM, _HEAD_WARPS, _SINKHORN_* and _MIX_BLOCK_T above, are what every
+#: check and count uses).
+TUNABLES = ("_ROWS_PER_PROGRAM", "_HEAD_WARPS", "_PROJECT_BLOCK_R", "_PROJECT_BLOCK_N", "_PROJECT_DX_CHUNKS",
+            "_PROJECT_DW_PROGRAMS", "_SINKHORN_BLOCK_T", "_SINKHORN_WARPS", "_SINKHORN_SEGMENT", "_MIX_BLOCK_T")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -1491,7 +1499,7 @@ def _pair_backward_impl(x, y, o, dxm, dym, bias, gate, proj, norm_weight, scale,
     else:
         dx, dy, dxy_stride = new((rows, d)), new((rows, d)), d
     do = torch.empty((rows, d), dtype=o.dtype, device=y.device) if o is not None else dx
-    per = min(64, rows)
+    per = min(_ROWS_PER_PROGRAM, rows)
     programs = triton.cdiv(rows, per)
     dynamic = proj is not None
     f32 = functools.partial(torch.empty, dtype=torch.float32, device=y.device)
