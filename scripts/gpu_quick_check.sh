@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
-# The GPU check's cost-model half, for a lease of minutes (one GPU, torch, no package index), in the order a
-# 15-minute lease showed fits (about 9 minutes on an H200, its start not counted), the figures the cost model's
-# targets are stated in first: the step times of pre, post_pre, hybrid_pre, hc and mhc at the 1.3B width (4 layers,
-# batch 4 x 2048, bf16 autocast as the recipe trains), eager fused on; the same five compiled, fused on; this
-# project's kernels under candidate launch sizes (scripts/benchmark.py --tune-kernels); where each eager step's
-# device time goes (torch.profiler: --profile); eager fused off; the fused kernels against their references at
-# the recipes' width in bf16 (siamesenorm.nn.fused.check). Each stage has its
-# own time limit and writes into OUTDIR as it ends, so a lease cut short still returns the stages that finished.
-# The training half (the seed variants under torchrun, resume, export) is scripts/gpu_check.sh.
+# The GPU check's cost-model half, for a lease of minutes (one GPU, torch, no package index; about 9 minutes on
+# an H200 before the tuning stage, about 12 with it by estimate, the start not counted), the figures the cost
+# model's targets are stated in first: the step times of pre, post_pre, hybrid_pre, hc and mhc at the 1.3B width
+# (4 layers, batch 4 x 2048, bf16 autocast as the recipe trains), eager fused on; the same five compiled, fused
+# on; this project's kernels under candidate launch sizes (scripts/benchmark.py --tune-kernels); where each eager
+# step's device time goes (torch.profiler: --profile); eager fused off; the fused kernels against their
+# references at the recipes' width in bf16 (siamesenorm.nn.fused.check). Each stage has its own time limit and
+# writes into OUTDIR as it ends, so a lease cut short still returns the stages that finished. The training half
+# (the seed variants under torchrun, resume, export) is scripts/gpu_check.sh.
 #
 #   bash scripts/gpu_quick_check.sh [WHEELHOUSE] [OUTDIR]    # defaults: wheelhouse/, results/gpu/quick
 #
