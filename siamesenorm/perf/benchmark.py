@@ -30,6 +30,7 @@ import torch
 from torch.autograd import DeviceType
 
 from siamesenorm.models.build import build_model
+from siamesenorm.nn import fused
 from siamesenorm.perf.costmodel import estimate_seconds, total
 from siamesenorm.run.process import allow_recompiles
 from siamesenorm.run.recipe import load_config
@@ -556,8 +557,6 @@ def tune_kernels(settings: BenchSettings, candidates: Sequence[Dict[str, int]] =
     """This project's kernels (``KERNEL_OPS``) timed in each variant's eager step (``profile``) under each set of
     launch sizes in ``candidates`` (names from ``fused.TUNABLES``; {} is the defaults), one set at a time, the
     defaults restored after each: {"candidates": [...], "rows": {model_type: {kernel: [us a call per candidate]}}}."""
-    from siamesenorm.nn import fused
-
     for candidate in candidates:
         unknown = set(candidate) - set(fused.TUNABLES)
         if unknown:
