@@ -178,20 +178,15 @@ def main(argv=None) -> int:
     if args.breakdown:
         print(breakdown_markdown(breakdown(settings)))
         return 0
-    if args.tune_kernels:
-        result = tune_kernels(settings)
-        print(tune_markdown(result))
-        if args.json:
-            save(result, args.json)
-            print(f"wrote {args.json}")
-        return 0
-    if args.profile:
-        result = profile(settings)
-        print(profile_markdown(result))
-        if args.json:
-            save(result, args.json)
-            print(f"wrote {args.json}")
-        return 0
+    for wanted, measure, markdown in ((args.tune_kernels, tune_kernels, tune_markdown),
+                                      (args.profile, profile, profile_markdown)):
+        if wanted:
+            result = measure(settings)
+            print(markdown(result))
+            if args.json:
+                save(result, args.json)
+                print(f"wrote {args.json}")
+            return 0
     result = run(settings)
     s = result["settings"]
     print(f"{args.recipe}: {s['n_layers']} layers, d_model {s['d_model']}, vocabulary {s['vocab_size']}, {args.batch} x {args.seq} tokens a step, "

@@ -433,8 +433,6 @@ def profile(settings: BenchSettings, top: int = 25,
             avgs = [a for a in everything if a.device_type == kind and not _annotation(a)]
             optimizer_ms = sum(_device_time_us(a) for a in everything
                                if a.device_type == kind and a.key.startswith("Optimizer.step")) / n / 1e3
-            if cuda and not avgs:  # a profiler that files kernels under their CPU ops: each op's own device time
-                avgs = list(prof.key_averages())
             if cuda:
                 timed = [(a.key, a.count / n, _device_time_us(a) / n / 1e3) for a in avgs]
             else:  # CPU: the leaf ops' self time
@@ -530,8 +528,8 @@ def kernel_bandwidth(profiled: Dict, by_op: Dict[str, Dict[str, Dict[str, list]]
             op = KERNEL_OPS.get(t["name"])
             if op is None:
                 continue
-            launches = sum(ops.get(phase, {}).get(op, [0, 0])[0] for phase in ("forward", "backward"))
-            nbytes = sum(ops.get(phase, {}).get(op, [0, 0])[1] for phase in ("forward", "backward"))
+            counted = [ops.get(phase, {}).get(op, [0, 0]) for phase in ("forward", "backward")]
+            launches, nbytes = sum(c[0] for c in counted), sum(c[1] for c in counted)
             if not launches:
                 continue
             us = t["ms"] / t["per_step"] * 1e3

@@ -22,6 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Where scripts/setup_env.sh installs Triton for its interpreter (not into the environment: torch's CPU build
 #: does not expect it there).
 TRITON_TARGET = Path(sys.prefix) / "triton-interpreter"
+#: Triton's interpreter in a child process: the Triton it needs and this checkout first on the path, one thread.
+INTERPRETER_ENV = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
+                       PYTHONPATH=os.pathsep.join([str(TRITON_TARGET), str(ROOT)]))
+needs_interpreter = pytest.mark.skipif(not (TRITON_TARGET / "triton").is_dir(),
+                                       reason=f"Triton for its interpreter is not in {TRITON_TARGET} "
+                                       "(bash scripts/setup_env.sh puts it there)")
+
+
 def test_torch_path_matches_autograd_of_the_reference():
     assert not fused.available(torch.zeros(1)), "this test is for the torch path (no CUDA, no TRITON_INTERPRET)"
     seen = []
@@ -82,14 +90,10 @@ def test_the_check_catches_a_wrong_backward(monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (TRITON_TARGET / "triton").is_dir(),
-                    reason=f"Triton for its interpreter is not in {TRITON_TARGET} (bash scripts/setup_env.sh puts it "
-                           "there)")
+@needs_interpreter
 def test_triton_kernels_in_the_interpreter():
     """The Triton kernels themselves (forward and backward, every flag, fp64 and bf16 inputs; then one combination an
     op at a size that runs every code path, fp64 and bf16), run by Triton's interpreter on CPU."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(TRITON_TARGET), str(ROOT)]))
     code = ("import torch; from siamesenorm.nn import fused; "
             "assert fused.available(torch.zeros(1)), 'not the kernels'; seen = []; "
             "print('{dtype}', 'mismatches', fused.check(dtype=torch.{dtype}, tol={tol}, seen=seen), len(seen)); "
@@ -97,7 +101,7 @@ def test_triton_kernels_in_the_interpreter():
             "dtype=torch.{big}, tol={big_tol}, seen=seen, select=fused.SIZE_CASES), len(seen))")
     # the two checks in two processes at once: the interpreter is single-threaded Python, the machines have 2 cores
     runs = {dtype: subprocess.Popen([sys.executable, "-c", code.format(dtype=dtype, tol=tol, big=big, big_tol=big_tol)],
-                                    env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                                    env=INTERPRETER_ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
             for dtype, tol, big, big_tol in (("float64", 2e-5, "float64", 2e-5), ("bfloat16", 3e-2, "bfloat16", 3e-2))}
     for dtype, run in runs.items():
         out, err = run.communicate(timeout=1500)
@@ -418,20 +422,17 @@ def test_plain_connections_fused_match_unfused(cls):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(not (TRITON_TARGET / "triton").is_dir(),
-                    reason=f"Triton for its interpreter is not in {TRITON_TARGET} (bash scripts/setup_env.sh puts it there)")
+@needs_interpreter
 def test_sinkhorn_backward_replays_in_segments_of_any_length():
     """Sinkhorn's backward kernel replays its iterates in segments (``fused._SINKHORN_SEGMENT``, 8); with segments of
     1, 7 (40 half-steps: the last segment partial) and 64 (one segment, longer than the steps) its gradient is the
     reference's, fp64 within 2e-5, in Triton's interpreter."""
-    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(TRITON_TARGET), str(ROOT)]))
     code = ("import torch; from siamesenorm.nn import fused; assert fused.available(torch.zeros(1)); "
             "select = lambda c: c.get('sinkhorn', False) and c['n'] == 4\n"
             "for segment in (1, 7, 64):\n"
             "    fused._SINKHORN_SEGMENT = segment; seen = []\n"
             "    print(segment, len(fused.check(d=48, rows=(2, 5), dtype=torch.float64, tol=2e-5, seen=seen, "
             "select=select)), len(seen))")
-    run = subprocess.run([sys.executable, "-c", code], env=env, text=True, capture_output=True, timeout=600)
+    run = subprocess.run([sys.executable, "-c", code], env=INTERPRETER_ENV, text=True, capture_output=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.split() == ["1", "0", "4", "7", "0", "4", "64", "0", "4"], run.stdout
