@@ -18,9 +18,10 @@ there is no LN^X), recomputes the norms from them, and writes dX, dY, dO with ea
 its rows by program and then over programs.
 
 ``head_norm`` is HybridNorm's attention side (hybrid, hybrid_star, hybrid_pre): the per-head RMSNorms of q, k and
-v over the fused QKV projection's output, one kernel each way (read qkv once, write q, k and v as tensors of their
-own; backward keeps qkv and recomputes), with a weight per group (q's, k's, v's) where eager runs three norms of
-about eight kernels each.
+v over the fused QKV projection's output and then RoPE on q and k, one kernel each way (read qkv once, write q, k
+and v as tensors of their own), with a weight per group (q's, k's, v's) where eager runs three norms of about eight
+kernels each and RoPE's a dozen more. Backward keeps the outputs, which attention keeps anyway, and one rstd a head:
+it turns q and k back by RoPE's inverse and divides by the weight to recover the normalised input.
 
 ``sinkhorn`` is mHC's Sinkhorn-Knopp (``sinkhorn_reference``, the core's eager one): a token's 2 x iterations
 normalisations in one kernel each way; backward keeps only the logits and replays the iterations in registers.
@@ -552,18 +553,25 @@ def stream_add(x: Tensor, y: Tensor, o: Tensor, *, scale: float = 1.0) -> Tensor
                            1e-5)[0]
 
 
-# ---- HybridNorm's per-head Q/K/V norms in one pass over the attention projection's output ------------------------
+# ---- HybridNorm's per-head Q/K/V norms (and RoPE) in one pass over the attention projection's output --------------
 def head_reference(qkv: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], v_weight: Optional[Tensor],
-                   *, n_q: int, n_kv: int, head_dim: int, eps: float = 1e-5) -> Tuple[Tensor, Tensor, Tensor]:
-    """``qkv`` (..., (n_q + 2 n_kv) head_dim), the fused projection's output: every head of every token RMS-normalised
-    over head_dim and scaled by its group's weight (the first n_q heads q's, then n_kv k's, then n_kv v's), fp32
-    inside; (q, k, v) in qkv's dtype."""
-    return _head_rms(qkv, _head_table(q_weight, k_weight, v_weight, n_q, n_kv), n_q, n_kv, head_dim, eps)
-
-
-def _head_rms(qkv, table, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Tensor, Tensor]:
-    """The per-head RMSNorm with a per-slot weight table, in plain torch: (q, k, v), views of one tensor."""
-    out = _rms(qkv.float().unflatten(-1, (n_q + 2 * n_kv, head_dim)), table, eps).flatten(-2).to(qkv.dtype)
+                   *, n_q: int, n_kv: int, head_dim: int, eps: float = 1e-5,
+                   rope: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+    """``qkv`` (..., T, (n_q + 2 n_kv) head_dim), the fused projection's output: every head of every token
+    RMS-normalised over head_dim and scaled by its group's weight (the first n_q heads q's, then n_kv k's, then n_kv
+    v's), then, with ``rope`` = (sin, cos), each (T, head_dim), the q and k heads rotated at their token's position
+    (``rotate_half``'s pairs (c, c + head_dim / 2), OLMo's RoPE, positions 0..T-1); fp32 inside, (q, k, v) in qkv's
+    dtype, rounded once. Written with plain torch ops (autograd differentiates it), independent of the op."""
+    slots = n_q + 2 * n_kv
+    u = qkv.float().unflatten(-1, (slots, head_dim))
+    y = _rms(u, _head_table(q_weight, k_weight, v_weight, n_q, n_kv), eps)
+    if rope is not None:
+        sin, cos = (t.float()[:, None, :] for t in rope)  # (T, 1, head_dim): every slot of a token alike
+        half = head_dim // 2
+        turned = torch.cat([-y[..., half:], y[..., :half]], -1)
+        rotated = y * cos + turned * sin
+        y = torch.cat([rotated[..., :n_q + n_kv, :], y[..., n_q + n_kv:, :]], -2)
+    out = y.flatten(-2).to(qkv.dtype)
     return out.split([n_q * head_dim, n_kv * head_dim, n_kv * head_dim], -1)
 
 
@@ -574,20 +582,79 @@ def _head_table(wq, wk, wv, n_q, n_kv) -> Optional[Tensor]:
     return torch.cat([wq.float().expand(n_q, -1), wk.float().expand(n_kv, -1), wv.float().expand(n_kv, -1)])
 
 
+def _turn(t: Tensor, rope: Tuple[Tensor, Tensor], n_rot: int, back: bool) -> Tensor:
+    """t (..., T, slots, head_dim) fp32 with its first ``n_rot`` slots rotated by RoPE at their token's position
+    (``back``: the inverse rotation, which is also the rotation's transpose: what a gradient goes through)."""
+    sin, cos = (x.float()[:, None, :] for x in rope)
+    half = t.shape[-1] // 2
+    head = t[..., :n_rot, :]
+    turned = torch.cat([-head[..., half:], head[..., :half]], -1)
+    head = head * cos + turned * (-sin if back else sin)
+    return torch.cat([head, t[..., n_rot:, :]], -2)
+
+
+def _head_forward_torch(qkv, table, rope, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The kernel's forward in plain torch: (q, k, v) each a tensor of its own, and rstd (..., slots) in fp32."""
+    u = qkv.float().unflatten(-1, (n_q + 2 * n_kv, head_dim))
+    r = torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+    y = u * r * table if table is not None else u * r
+    if rope is not None:
+        y = _turn(y, rope, n_q + n_kv, back=False)
+    q, k, v = (t.contiguous() for t in y.flatten(-2).to(qkv.dtype).split([n_q * head_dim, n_kv * head_dim,
+                                                                          n_kv * head_dim], -1))
+    return q, k, v, r.squeeze(-1)
+
+
+def _head_backward_torch(outs, grads, rstd, table, rope, n_q, n_kv, head_dim) -> Tuple[Tensor, Optional[Tensor]]:
+    """The kernel's backward in plain torch (not autograd), from the op's outputs: (d qkv fp32, d table fp32)."""
+    slots = n_q + 2 * n_kv
+    o = torch.cat([t.float() for t in outs], -1).unflatten(-1, (slots, head_dim))
+    g = torch.cat([t.float() for t in grads], -1).unflatten(-1, (slots, head_dim))
+    if rope is not None:  # back to the norm's output, and its gradient through the rotation's transpose
+        o, g = _turn(o, rope, n_q + n_kv, back=True), _turn(g, rope, n_q + n_kv, back=True)
+    u_hat = torch.where(table != 0, o / table, 0.0) if table is not None else o
+    gw = g * table if table is not None else g
+    du = rstd.unsqueeze(-1) * (gw - u_hat * (gw * u_hat).mean(-1, keepdim=True))
+    dtable = (g * u_hat).reshape(-1, slots, head_dim).sum(0) if table is not None else None
+    return du.flatten(-2), dtable
+
+
 if triton is not None:
 
     @triton.jit
-    def _head_forward_kernel(T, Q, K, V, W, t_stride, n_q, n_kv, hd, eps, HAS_W: tl.constexpr, SLOTS: tl.constexpr,
-                             BLOCK: tl.constexpr):
+    def _slot_load(Q, K, V, row, s, c, n_q, n_kv, hd, m):
+        """Slot s of a token's heads, (SLOTS, BLOCK) fp32, from q's, k's or v's tensor (contiguous rows)."""
+        return tl.load(Q + row * n_q * hd + s * hd + c, mask=m & (s < n_q), other=0.0).to(tl.float32) \
+            + tl.load(K + row * n_kv * hd + (s - n_q) * hd + c, mask=m & (s >= n_q) & (s < n_q + n_kv),
+                      other=0.0).to(tl.float32) \
+            + tl.load(V + row * n_kv * hd + (s - n_q - n_kv) * hd + c, mask=m & (s >= n_q + n_kv),
+                      other=0.0).to(tl.float32)
+
+    @triton.jit
+    def _head_forward_kernel(T, Q, K, V, R, W, SIN, COS, t_stride, seq, n_q, n_kv, hd, eps, HAS_W: tl.constexpr,
+                             ROPE: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
+        slots = n_q + 2 * n_kv
         s = tl.arange(0, SLOTS)[:, None]
         c = tl.arange(0, BLOCK)[None, :]
-        mask = (s < n_q + 2 * n_kv) & (c < hd)
+        mask = (s < slots) & (c < hd)
         u = tl.load(T + row * t_stride + s * hd + c, mask=mask, other=0.0).to(tl.float32)
-        out = u / tl.sqrt(tl.sum(u * u, axis=1) / hd + eps)[:, None]
+        r = 1.0 / tl.sqrt(tl.sum(u * u, axis=1) / hd + eps)
+        tl.store(R + row * slots + tl.arange(0, SLOTS), r, mask=tl.arange(0, SLOTS) < slots)
+        out = u * r[:, None]
         if HAS_W:
             out = out * tl.load(W + s * hd + c, mask=mask, other=0.0)
-        # q, k and v each to a tensor of its own (attention keeps v, and not the normalised q and k beside it)
+        if ROPE:  # q and k turned at the token's position: rotate_half's partner column read again, normalised alike
+            half = hd // 2
+            p = tl.where(c < half, c + half, c - half)
+            partner = tl.load(T + row * t_stride + s * hd + p, mask=mask, other=0.0).to(tl.float32) * r[:, None]
+            if HAS_W:
+                partner = partner * tl.load(W + s * hd + p, mask=mask, other=0.0)
+            pos = row % seq
+            sn = tl.load(SIN + pos * hd + c, mask=c < hd, other=0.0)
+            cs = tl.load(COS + pos * hd + c, mask=c < hd, other=0.0)
+            out = tl.where(s < n_q + n_kv, out * cs + tl.where(c < half, -1.0, 1.0) * partner * sn, out)
+        # q, k and v each to a tensor of its own: attention keeps them, and the backward reads them back
         tl.store(Q + row * n_q * hd + s * hd + c, out.to(Q.dtype.element_ty), mask=mask & (s < n_q))
         tl.store(K + row * n_kv * hd + (s - n_q) * hd + c, out.to(K.dtype.element_ty),
                  mask=mask & (s >= n_q) & (s < n_q + n_kv))
@@ -595,133 +662,165 @@ if triton is not None:
                  mask=mask & (s >= n_q + n_kv))
 
     @triton.jit
-    def _head_backward_kernel(T, DQ, DK, DV, DT, W, PW, t_stride, rows, n_q, n_kv, hd, eps, HAS_W: tl.constexpr,
-                              ROWS_PER_PROGRAM: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+    def _head_backward_kernel(Q, K, V, R, DQ, DK, DV, DT, W, PW, SIN, COS, seq, rows, n_q, n_kv, hd,
+                              HAS_W: tl.constexpr, ROPE: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
+                              SLOTS: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         slots = n_q + 2 * n_kv
         s = tl.arange(0, SLOTS)[:, None]
         c = tl.arange(0, BLOCK)[None, :]
         mask = (s < slots) & (c < hd)
+        half = hd // 2
+        p = tl.where(c < half, c + half, c - half)
+        sign = tl.where(c < half, -1.0, 1.0)
         w = tl.load(W + s * hd + c, mask=mask, other=0.0) if HAS_W else tl.zeros([SLOTS, BLOCK], tl.float32)
         acc = tl.zeros([SLOTS, BLOCK], tl.float32)
         for i in range(ROWS_PER_PROGRAM):
             row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
             m = mask & (row < rows)
-            u = tl.load(T + row * t_stride + s * hd + c, mask=m, other=0.0).to(tl.float32)
-            g = tl.load(DQ + row * n_q * hd + s * hd + c, mask=m & (s < n_q), other=0.0).to(tl.float32) \
-                + tl.load(DK + row * n_kv * hd + (s - n_q) * hd + c, mask=m & (s >= n_q) & (s < n_q + n_kv),
-                          other=0.0).to(tl.float32) \
-                + tl.load(DV + row * n_kv * hd + (s - n_q - n_kv) * hd + c, mask=m & (s >= n_q + n_kv),
-                          other=0.0).to(tl.float32)
-            r = (1.0 / tl.sqrt(tl.sum(u * u, axis=1) / hd + eps))[:, None]
-            u_hat = u * r
-            gw = g * w if HAS_W else g
-            du = r * (gw - u_hat * (tl.sum(gw * u_hat, axis=1) / hd)[:, None])
+            o = _slot_load(Q, K, V, row, s, c, n_q, n_kv, hd, m)
+            g = _slot_load(DQ, DK, DV, row, s, c, n_q, n_kv, hd, m)
+            if ROPE:  # the output turned back (the norm's output) and the gradient through the transpose
+                pos = row % seq
+                sn = tl.load(SIN + pos * hd + c, mask=c < hd, other=0.0)
+                cs = tl.load(COS + pos * hd + c, mask=c < hd, other=0.0)
+                turned = s < n_q + n_kv
+                o = tl.where(turned, o * cs - sign * _slot_load(Q, K, V, row, s, p, n_q, n_kv, hd, m) * sn, o)
+                g = tl.where(turned, g * cs - sign * _slot_load(DQ, DK, DV, row, s, p, n_q, n_kv, hd, m) * sn, g)
+            r = tl.load(R + row * slots + s, mask=(s < slots) & (row < rows), other=0.0)
             if HAS_W:
+                u_hat = tl.where(w != 0.0, o / w, 0.0)
+                gw = g * w
                 acc += g * u_hat
+            else:
+                u_hat = o
+                gw = g
+            du = r * (gw - u_hat * (tl.sum(gw * u_hat, axis=1) / hd)[:, None])
             tl.store(DT + row * slots * hd + s * hd + c, du.to(DT.dtype.element_ty), mask=m)
         if HAS_W:
             tl.store(PW + pid * slots * hd + s * hd + c, acc, mask=mask)
 
 
-def _head_forward_impl(qkv, table, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Tensor, Tensor]:
-    if not _use_triton(qkv):  # each its own tensor, as the kernel writes them
-        return tuple(t.contiguous() for t in _head_rms(qkv, table, n_q, n_kv, head_dim, eps))
-    rows_t, stride = _rows(qkv, (n_q + 2 * n_kv) * head_dim)
+def _head_forward_impl(qkv, table, rope, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    if not _use_triton(qkv):
+        return _head_forward_torch(qkv, table, rope, n_q, n_kv, head_dim, eps)
+    slots = n_q + 2 * n_kv
+    rows_t, stride = _rows(qkv, slots * head_dim)
     rows = rows_t.shape[0]
     q = torch.empty((rows, n_q * head_dim), dtype=qkv.dtype, device=qkv.device)
     k, v = (torch.empty((rows, n_kv * head_dim), dtype=qkv.dtype, device=qkv.device) for _ in range(2))
-    _head_forward_kernel[(rows,)](rows_t, q, k, v, table if table is not None else q, stride, n_q, n_kv, head_dim,
-                                  float(eps), HAS_W=table is not None, SLOTS=triton.next_power_of_2(n_q + 2 * n_kv),
+    rstd = torch.empty((rows, slots), dtype=torch.float32, device=qkv.device)
+    sin, cos = (t.float().contiguous() for t in rope) if rope is not None else (rstd, rstd)
+    _head_forward_kernel[(rows,)](rows_t, q, k, v, rstd, table if table is not None else q, sin, cos, stride,
+                                  qkv.shape[-2] if qkv.dim() > 1 else 1, n_q, n_kv, head_dim, float(eps),
+                                  HAS_W=table is not None, ROPE=rope is not None, SLOTS=triton.next_power_of_2(slots),
                                   BLOCK=triton.next_power_of_2(head_dim))
     lead = qkv.shape[:-1]
-    return q.view(*lead, -1), k.view(*lead, -1), v.view(*lead, -1)
+    return q.view(*lead, -1), k.view(*lead, -1), v.view(*lead, -1), rstd.view(*lead, slots)
 
 
-def _head_backward_impl(qkv, dq, dk, dv, table, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Optional[Tensor]]:
-    """(d qkv, d table) for (q, k, v) = per-head RMSNorm(qkv) * table: d qkv in fp32 on the torch path, in qkv's
-    dtype from the kernel (computed in fp32, written once); d table's partial sums in fp32."""
+def _head_backward_impl(outs, grads, rstd, table, rope, n_q, n_kv, head_dim) -> Tuple[Tensor, Optional[Tensor]]:
+    """(d qkv, d table) from the op's outputs (q, k, v), rstd and their gradients: d qkv in fp32 on the torch path,
+    in the outputs' dtype from the kernel (computed in fp32, written once); d table's partial sums in fp32."""
+    if not _use_triton(outs[0]):
+        return _head_backward_torch(outs, grads, rstd, table, rope, n_q, n_kv, head_dim)
     slots = n_q + 2 * n_kv
-    if not _use_triton(qkv):
-        u = qkv.float().unflatten(-1, (slots, head_dim))
-        g = torch.cat([dq.float(), dk.float(), dv.float()], -1).unflatten(-1, (slots, head_dim))
-        du, u_hat = _norm_backward_torch(u, table, g, eps)
-        dtable = (g * u_hat).reshape(-1, slots, head_dim).sum(0) if table is not None else None
-        return du.flatten(-2), dtable
-    rows_t, t_stride = _rows(qkv, slots * head_dim)
-    rows = rows_t.shape[0]
-    dq, dk, dv = (t.reshape(rows, -1).contiguous() for t in (dq, dk, dv))
-    dt = torch.empty((rows, slots * head_dim), dtype=qkv.dtype, device=qkv.device)
+    lead = outs[0].shape[:-1]
+    q, k, v, dq, dk, dv = (t.reshape(-1, t.shape[-1]).contiguous() for t in (*outs, *grads))
+    rows = q.shape[0]
+    dt = torch.empty((rows, slots * head_dim), dtype=q.dtype, device=q.device)
     per = min(_ROWS_PER_PROGRAM, rows)
     programs = triton.cdiv(rows, per)
-    partial = torch.empty((programs, slots, head_dim), dtype=torch.float32, device=qkv.device) \
+    partial = torch.empty((programs, slots, head_dim), dtype=torch.float32, device=q.device) \
         if table is not None else dt
-    _head_backward_kernel[(programs,)](rows_t, dq, dk, dv, dt, table if table is not None else dt, partial, t_stride,
-                                       rows, n_q, n_kv, head_dim, float(eps), HAS_W=table is not None,
-                                       ROWS_PER_PROGRAM=per, SLOTS=triton.next_power_of_2(slots),
-                                       BLOCK=triton.next_power_of_2(head_dim), num_warps=_HEAD_WARPS)
-    return dt.view(qkv.shape), (partial.sum(0) if table is not None else None)
+    sin, cos = (t.float().contiguous() for t in rope) if rope is not None else (rstd, rstd)
+    _head_backward_kernel[(programs,)](q, k, v, rstd.contiguous(), dq, dk, dv, dt,
+                                       table if table is not None else dt, partial, sin, cos,
+                                       lead[-1] if lead else 1, rows, n_q, n_kv, head_dim, HAS_W=table is not None,
+                                       ROPE=rope is not None, ROWS_PER_PROGRAM=per,
+                                       SLOTS=triton.next_power_of_2(slots), BLOCK=triton.next_power_of_2(head_dim),
+                                       num_warps=_HEAD_WARPS)
+    return dt.view(*lead, slots * head_dim), (partial.sum(0) if table is not None else None)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::head_norm_forward", mutates_args=())
-def _head_norm_forward(qkv: Tensor, q_weight: Opt, k_weight: Opt, v_weight: Opt, n_q: int, n_kv: int, head_dim: int,
-                       eps: float) -> Tuple[Tensor, Tensor, Tensor]:
+def _head_norm_forward(qkv: Tensor, q_weight: Opt, k_weight: Opt, v_weight: Opt, sin: Opt, cos: Opt, n_q: int,
+                       n_kv: int, head_dim: int, eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q, k, v, rstd): rstd (..., slots) fp32, what the backward needs beside the outputs."""
     table = _head_table(q_weight, k_weight, v_weight, n_q, n_kv)
-    return _head_forward_impl(qkv, table, n_q, n_kv, head_dim, eps)
+    return _head_forward_impl(qkv, table, (sin, cos) if sin is not None else None, n_q, n_kv, head_dim, eps)
 
 
 @_head_norm_forward.register_fake
-def _(qkv, q_weight, k_weight, v_weight, n_q, n_kv, head_dim, eps):
+def _(qkv, q_weight, k_weight, v_weight, sin, cos, n_q, n_kv, head_dim, eps):
     lead = qkv.shape[:-1]
     return qkv.new_empty(*lead, n_q * head_dim), qkv.new_empty(*lead, n_kv * head_dim), \
-        qkv.new_empty(*lead, n_kv * head_dim)
+        qkv.new_empty(*lead, n_kv * head_dim), qkv.new_empty(*lead, n_q + 2 * n_kv, dtype=torch.float32)
 
 
 @torch.library.custom_op(f"{NAMESPACE}::head_norm_backward", mutates_args=())
-def _head_norm_backward(qkv: Tensor, dq: Tensor, dk: Tensor, dv: Tensor, q_weight: Opt, k_weight: Opt, v_weight: Opt,
-                        n_q: int, n_kv: int, head_dim: int, eps: float) -> List[Tensor]:
-    """(d qkv, d q_weight, d k_weight, d v_weight); the weights' empty without weights."""
+def _head_norm_backward(q: Tensor, k: Tensor, v: Tensor, rstd: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
+                        q_weight: Opt, k_weight: Opt, v_weight: Opt, sin: Opt, cos: Opt, n_q: int, n_kv: int,
+                        head_dim: int) -> List[Tensor]:
+    """(d qkv, d q_weight, d k_weight, d v_weight) from the forward's outputs; the weights' empty without weights."""
     weights = (q_weight, k_weight, v_weight)
-    dqkv, dtable = _head_backward_impl(qkv, dq, dk, dv, _head_table(*weights, n_q, n_kv), n_q, n_kv, head_dim, eps)
+    dqkv, dtable = _head_backward_impl((q, k, v), (dq, dk, dv), rstd, _head_table(*weights, n_q, n_kv),
+                                       (sin, cos) if sin is not None else None, n_q, n_kv, head_dim)
     if dtable is None:
-        return [dqkv.to(qkv.dtype), _empty(qkv), _empty(qkv), _empty(qkv)]
+        return [dqkv.to(q.dtype), _empty(q), _empty(q), _empty(q)]
     grads = [part.sum(0) for part in dtable.split([n_q, n_kv, n_kv])]  # each slot's into its group's weight
-    return [dqkv.to(qkv.dtype)] + [g.to(w.dtype) for g, w in zip(grads, weights)]
+    return [dqkv.to(q.dtype)] + [g.to(w.dtype) for g, w in zip(grads, weights)]
 
 
 @_head_norm_backward.register_fake
-def _(qkv, dq, dk, dv, q_weight, k_weight, v_weight, n_q, n_kv, head_dim, eps):
+def _(q, k, v, rstd, dq, dk, dv, q_weight, k_weight, v_weight, sin, cos, n_q, n_kv, head_dim):
     weights = (q_weight, k_weight, v_weight)
-    return [qkv.new_empty(qkv.shape)] + [w.new_empty(w.shape) if w is not None else _empty(qkv) for w in weights]
+    return [q.new_empty(*q.shape[:-1], (n_q + 2 * n_kv) * head_dim)] + \
+        [w.new_empty(w.shape) if w is not None else _empty(q) for w in weights]
 
 
 def _head_setup(ctx, inputs, output):
-    qkv, q_weight, k_weight, v_weight, n_q, n_kv, head_dim, eps = inputs
-    ctx.save_for_backward(qkv, q_weight, k_weight, v_weight)  # backward recomputes the norm from qkv
-    ctx.args = (n_q, n_kv, head_dim, eps)
+    _, q_weight, k_weight, v_weight, sin, cos, n_q, n_kv, head_dim, _ = inputs
+    # the outputs, not qkv: attention keeps q, k and v itself, so the norm keeps nothing of its own but rstd
+    ctx.save_for_backward(*output, q_weight, k_weight, v_weight, sin, cos)
+    ctx.args = (n_q, n_kv, head_dim)
+    ctx.set_materialize_grads(False)  # rstd gets no gradient: no zeros written for it
 
 
-def _head_backward(ctx, dq, dk, dv):
-    qkv, *weights = ctx.saved_tensors
-    n_q, n_kv, head_dim, _ = ctx.args
-    lead = qkv.shape[:-1]
-    dq, dk, dv = (g if g is not None else qkv.new_zeros(*lead, n * head_dim) for g, n in ((dq, n_q), (dk, n_kv),
-                                                                                          (dv, n_kv)))
-    dqkv, *dw = _head_norm_backward(qkv, dq, dk, dv, *weights, *ctx.args)
-    return (dqkv, *(g if g.numel() else None for g in dw), None, None, None, None)
+def _head_backward(ctx, dq, dk, dv, _drstd):
+    q, k, v, rstd, *rest = ctx.saved_tensors
+    n_q, n_kv, head_dim = ctx.args
+    dq, dk, dv = (g if g is not None else torch.zeros_like(t) for g, t in ((dq, q), (dk, k), (dv, v)))
+    dqkv, *dw = _head_norm_backward(q, k, v, rstd, dq, dk, dv, *rest, n_q, n_kv, head_dim)
+    return (dqkv, *(g if g.numel() else None for g in dw), None, None, None, None, None, None)
 
 
 _head_norm_forward.register_autograd(_head_backward, setup_context=_head_setup)
 
 
 def head_norm(qkv: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], v_weight: Optional[Tensor], *,
-              n_q: int, n_kv: int, head_dim: int, eps: float = 1e-5) -> Tuple[Tensor, Tensor, Tensor]:
+              n_q: int, n_kv: int, head_dim: int, eps: float = 1e-5,
+              rope: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor, Tensor]:
     """HybridNorm's per-head Q/K/V norms over the fused projection's output as one op each way
     (``siamesenorm::head_norm_forward`` / ``_backward``): ``head_reference``'s arithmetic, (q, k, v) each a tensor
-    of its own; the weights all given or all None."""
+    of its own; the weights all given or all None; ``rope`` = (sin, cos), each (T, head_dim) for qkv's T positions:
+    q and k come back rotated too (one rounding to qkv's dtype, after the rotation).
+
+    The backward recomputes from the outputs, not from qkv: attention keeps q, k and v for its own backward, so
+    the op keeps only rstd (fp32, one number a head) beside them. It turns q and k back by RoPE's inverse and
+    divides by the weight to recover the normalised input, u_hat = y / w: in bf16 that is u_hat to bf16's 8 bits
+    (a relative error below 2^-8, which a quotient keeps), against fp32 when recomputed from qkv; the gradient it
+    enters is written in bf16 anyway. Where a weight is exactly 0 its channel's u_hat is lost (y = 0): it is taken
+    as 0, so that channel's weight gradient is 0 (a weight trained to exactly 0.0 in fp32 stays there)."""
     if (q_weight is None) != (k_weight is None) or (q_weight is None) != (v_weight is None):
         raise ValueError("head_norm takes the q, k and v weights all together or none of them")
-    return _head_norm_forward(qkv, q_weight, k_weight, v_weight, int(n_q), int(n_kv), int(head_dim), float(eps))
+    sin, cos = rope if rope is not None else (None, None)
+    if rope is not None and (qkv.dim() < 2 or sin.shape != (qkv.shape[-2], head_dim) or cos.shape != sin.shape
+                             or head_dim % 2):
+        raise ValueError(f"head_norm's rope takes (sin, cos), each (T, head_dim) = ({qkv.shape[-2]}, {head_dim}) "
+                         f"with head_dim even; got {tuple(sin.shape)} and {tuple(cos.shape)}")
+    return _head_norm_forward(qkv, q_weight, k_weight, v_weight, sin, cos, int(n_q), int(n_kv), int(head_dim),
+                              float(eps))[:3]
 
 
 # ---- mHC's Sinkhorn-Knopp iterations in one kernel each way -----------------------------------------------------
@@ -1589,16 +1688,16 @@ def _used_again(outputs):
 def SIZE_CASES(case: dict) -> bool:
     """The combinations a check at the recipes' sizes runs (``check(select=SIZE_CASES)``): each op once with every part
     on (two streams, O, LN^X, gamma, LN^in, weights; stacked and separate), the one-stream op, ``copy``,
-    ``block_input``, ``stream_add``, the head norms (fewer k/v heads, strided), Sinkhorn (4 streams, 20 iterations),
+    ``block_input``, ``stream_add``, the head norms (fewer k/v heads, strided, RoPE), Sinkhorn (4 streams, 20 iterations),
     ``stream_mix`` (4 streams), ``pair_mix`` (dynamic with the norm's weight, with O; and on the stacked state) and
-    ``rms_project`` (both cases): 15 of the 364 (the two-stream op with and without gamma, on separate and stacked
+    ``rms_project`` (both cases): 15 of the 372 (the two-stream op with and without gamma, on separate and stacked
     streams)."""
     full = dict(two=True, has_o=True, x_norm=True, wx=True, wy=True, in_norm=True, win=True)
     if "two" in case and len(case) == 9:  # the stream op's 256 + 32
         return all(case[k] == v for k, v in full.items()) or (
             not case["two"] and case["has_o"] and case["in_norm"] and case["win"] and case["wy"] and not case["stacked"])
     return case in (dict(stream_add=True, stacked=True),
-                    dict(head_norm=True, affine=True, n_q=4, n_kv=2, strided=True),
+                    dict(head_norm=True, affine=True, n_q=4, n_kv=2, strided=True, rope=True),
                     dict(sinkhorn=True, n=4, order="columns_first", iterations=20),
                     dict(stream_mix=True, n=4, widened=False),
                     dict(copy=True, two=True, x_norm=True, in_norm=True),
@@ -1614,7 +1713,7 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
     """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32; with ``copy``, O absent: one
     and two streams, LN^X, LN^in: 6), of ``block_input`` (O, LN^X, gamma, LN^in, weights or none: 32) and of
     ``stream_add``, on separate and stacked streams, of ``head_norm`` (with and without weights, as many k/v heads as
-    q heads and fewer, contiguous and strided: 8), of ``pair_mix`` (with and without O, static and dynamic with and
+    q heads and fewer, contiguous and strided, with and without RoPE: 16), of ``pair_mix`` (with and without O, static and dynamic with and
     without the norm's weight, separate and stacked streams: 12), of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8), of
     ``stream_mix`` (4, 3 and 2 streams, stacked and widened from one stream: 6) and of ``rms_project`` (mHC's 24
     columns over 4 d features; hc's 6 over d, rows read in place: 2), forward and backward (a random
@@ -1691,14 +1790,18 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
         if not agree(lambda: torch.cat([x + o * 0.37, y + o], -1), lambda: stream_add(x, y, o, scale=0.37),
                      leaves + [o], (2 * d,)):
             bad.append(dict(stream_add=True, stacked=stacked))
-    for affine, (n_q, n_kv), strided in itertools.product([True, False], [(3, 3), (4, 2)], [False, True]):
+    for affine, (n_q, n_kv), strided, rope in itertools.product([True, False], [(3, 3), (4, 2)], [False, True],
+                                                               [False, True]):
         hd = 8
         width = (n_q + 2 * n_kv) * hd
         base = randn(*rows, width + 5 if strided else width)
         qkv = base[..., 2:2 + width] if strided else base  # strided: rows read in place, width + 5 apart
         ws = [(1 + 0.3 * randn(hd, grad=False)).requires_grad_() if affine else None for _ in range(3)]
-        kw = dict(n_q=n_q, n_kv=n_kv, head_dim=hd)
-        case = dict(head_norm=True, affine=affine, n_q=n_q, n_kv=n_kv, strided=strided)
+        angles = torch.arange(rows[-1], dtype=torch.float64)[:, None] * 0.7 ** torch.arange(hd // 2)
+        kw = dict(n_q=n_q, n_kv=n_kv, head_dim=hd,
+                  rope=tuple(f(torch.cat([angles, angles], -1)).float().to(device) for f in (torch.sin, torch.cos))
+                  if rope else None)
+        case = dict(head_norm=True, affine=affine, n_q=n_q, n_kv=n_kv, strided=strided, rope=rope)
         if select is not None and not select(case):
             continue
         seen.append(case)

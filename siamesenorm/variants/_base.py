@@ -198,15 +198,16 @@ class TopologyBlock(StackedStreams, OLMoSequentialBlock):
         qkv = self.att_proj(h)
         if self.config.clip_qkv is not None:
             qkv = qkv.clamp(min=-self.config.clip_qkv, max=self.config.clip_qkv)
-        q, k, v = self.qkv_heads(qkv)
+        q, k, v = self.qkv_heads(qkv, cached=layer_past is not None or use_cache)
         att, cache = self.ckpt(self.attention, q, k, v, attention_bias, layer_past=layer_past, use_cache=use_cache,
                                max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens)
         if out_norm is not None:
             att = self.norm(out_norm, att)
         return self.dropout(att), cache
 
-    def qkv_heads(self, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v from the fused attention projection's output (views of it)."""
+    def qkv_heads(self, qkv: torch.Tensor, cached: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v from the fused attention projection's output (views of it); ``cached``: a KV cache is read or
+        written (generation), where OLMo keeps k before RoPE."""
         return qkv.split(self.fused_dims, dim=-1)
 
     def mlp_branch(self, h: torch.Tensor, out_norm: Optional[LayerNormBase] = None) -> torch.Tensor:

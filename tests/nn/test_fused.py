@@ -34,21 +34,31 @@ def test_torch_path_matches_autograd_of_the_reference():
     assert not fused.available(torch.zeros(1)), "this test is for the torch path (no CUDA, no TRITON_INTERPRET)"
     seen = []
     assert fused.check(seen=seen) == []
-    # 256 two-stream + 32 one-stream + 6 with copy + 32 block_input + 2 stream_add + 8 head_norm + 8 sinkhorn + 6 mix
+    # 256 two-stream + 32 one-stream + 6 with copy + 32 block_input + 2 stream_add + 16 head_norm + 8 sinkhorn + 6 mix
     # + 12 pair_mix + 2 rms_project
-    assert len(seen) == 364
+    assert len(seen) == 372
 
 
 def test_the_check_catches_a_wrong_head_norm_backward(monkeypatch):
     """head_norm's backward without the weights in d qkv: every combination with weights must fail."""
     original = fused._head_backward_impl
 
-    def wrong(qkv, dq, dk, dv, table, *args):
-        return original(qkv, dq, dk, dv, None, *args)[0], original(qkv, dq, dk, dv, table, *args)[1]
+    def wrong(outs, grads, rstd, table, *args):
+        return original(outs, grads, rstd, None, *args)[0], original(outs, grads, rstd, table, *args)[1]
 
     monkeypatch.setattr(fused, "_head_backward_impl", wrong)
     bad = fused.check()
-    assert [b for b in bad if b.get("head_norm")] == [b for b in bad if b.get("affine")] and len(bad) == 4
+    assert [b for b in bad if b.get("head_norm")] == [b for b in bad if b.get("affine")] and len(bad) == 8
+
+
+def test_the_check_catches_a_head_norm_that_forgets_to_turn_back(monkeypatch):
+    """head_norm's backward without RoPE's inverse (the outputs taken as the norm's output, the gradients as the
+    norm's): exactly the 8 combinations with RoPE fail."""
+    original = fused._head_backward_impl
+    monkeypatch.setattr(fused, "_head_backward_impl", lambda outs, grads, rstd, table, rope, *args:
+                        original(outs, grads, rstd, table, None, *args))
+    bad = fused.check()
+    assert len(bad) == 8 and all(b.get("head_norm") and b["rope"] for b in bad), bad
 
 
 def test_the_check_catches_a_wrong_pair_mix_backward(monkeypatch):
@@ -109,7 +119,7 @@ def test_triton_kernels_in_the_interpreter():
         # fp64 inputs to 2e-5 elementwise; bf16 inputs (as autocast gives them) to 3e-2 of each tensor's largest
         # value against the references computed in fp32 from the same inputs: the kernels write bf16 gradients
         small, big = out.strip().splitlines()[-2:]
-        assert small == f"{dtype} mismatches [] 364", out[-3000:]
+        assert small == f"{dtype} mismatches [] 372", out[-3000:]
         # then each op once with every part on at a size where every code path runs: d = 200 (a 256-wide row block
         # with a partial tail, the stream mix's feature loop in 4 chunks of 64), 130 rows (the row-block backwards in
         # 3 programs of 64, the last 2 rows; the stream mix in 9 of 16 tokens, the last 2; the coefficient projection
@@ -318,6 +328,31 @@ def test_head_norm_is_one_op_each_way_and_keeps_no_more_than_unfused():
     for model_type in ("hybrid", "hybrid_pre"):
         kept = _kept_unfused_and_fused(model_type, recompute=True)
         assert kept[1] <= kept[0], (model_type, kept)
+
+
+def test_fused_head_norms_keep_what_attention_keeps_and_nothing_of_their_own():
+    """The fused head norms (RoPE inside) recompute from their outputs, which attention keeps anyway: the fused
+    single-stream HybridNorm keeps less than the fused pre (no input norm; q, k, v each kept once), and fused hybrid_pre
+    no more than fused post_pre (the same second stream). Recomputing from qkv, as the op did before, kept qkv
+    beside attention's own q, k, v: 3 (B, T, d) tensors a layer more, and both comparisons failed."""
+    kept = {mt: _kept_unfused_and_fused(mt, recompute=True)[1] for mt in ("pre", "hybrid", "hybrid_pre", "post_pre")}
+    assert kept["hybrid"] < kept["pre"], kept
+    assert kept["hybrid_pre"] <= kept["post_pre"], kept
+
+
+@pytest.mark.parametrize("model_type", ["hybrid_pre", "hybrid"])
+def test_fused_head_norms_with_a_kv_cache_leave_rope_to_olmo(model_type):
+    """Generation: OLMo caches k before RoPE, so with a cache the fused head norms leave RoPE to OLMo's attention;
+    logits of tokens run one at a time with the cache equal those of the whole sequence run at once (RoPE inside
+    the norms), and of the unfused model."""
+    plain, fused_model = _perturbed_pair(model_type)
+    ids = torch.randint(0, 96, (2, 12))
+    with torch.no_grad():
+        whole = fused_model(ids).logits
+        first = fused_model(ids[:, :8], use_cache=True)
+        rest = fused_model(ids[:, 8:], past_key_values=first.attn_key_values, use_cache=True).logits
+        assert (torch.cat([first.logits, rest], 1) - whole).abs().max() < 1e-5
+        assert (plain(ids).logits - whole).abs().max() < 1e-5
 
 
 def test_fused_mhc_is_fewer_kernels_and_bytes_and_keeps_less():
