@@ -7,7 +7,8 @@
                                        the block output is not normalised
 
 With ``model.fused_streams`` the Q/K/V norms of every variant with HybridNorm's attention (hybrid, hybrid_star,
-hybrid_pre) run as one op over the attention projection's output (siamesenorm/nn/fused.py ``head_norm``).
+hybrid_pre) and RoPE after them run as one op over the attention projection's output (siamesenorm/nn/fused.py
+``head_norm``), which keeps for backward only what attention keeps anyway (its outputs) and rstd.
 
 Reference: the HybridNorm OLMo 1.2B config (see docs/architecture.md).
 """
