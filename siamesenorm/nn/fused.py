@@ -556,15 +556,16 @@ def stream_add(x: Tensor, y: Tensor, o: Tensor, *, scale: float = 1.0) -> Tensor
 # ---- HybridNorm's per-head Q/K/V norms (and RoPE) in one pass over the attention projection's output --------------
 def head_reference(qkv: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor], v_weight: Optional[Tensor],
                    *, n_q: int, n_kv: int, head_dim: int, eps: float = 1e-5,
-                   rope: Optional[Tuple[Tensor, Tensor]] = None) -> Tuple[Tensor, Tensor, Tensor]:
+                   rope: Optional[Tuple[Tensor, Tensor]] = None, normalise: bool = True) -> Tuple[Tensor, Tensor, Tensor]:
     """``qkv`` (..., T, (n_q + 2 n_kv) head_dim), the fused projection's output: every head of every token
     RMS-normalised over head_dim and scaled by its group's weight (the first n_q heads q's, then n_kv k's, then n_kv
     v's), then, with ``rope`` = (sin, cos), each (T, head_dim), the q and k heads rotated at their token's position
     (``rotate_half``'s pairs (c, c + head_dim / 2), OLMo's RoPE, positions 0..T-1); fp32 inside, (q, k, v) in qkv's
-    dtype, rounded once. Written with plain torch ops (autograd differentiates it), independent of the op."""
+    dtype, rounded once; without ``normalise`` RoPE alone (``qkv_rope``'s). Written with plain torch ops (autograd
+    differentiates it), independent of the op."""
     slots = n_q + 2 * n_kv
     u = qkv.float().unflatten(-1, (slots, head_dim))
-    y = _rms(u, _head_table(q_weight, k_weight, v_weight, n_q, n_kv), eps)
+    y = _rms(u, _head_table(q_weight, k_weight, v_weight, n_q, n_kv), eps) if normalise else u
     if rope is not None:
         sin, cos = (t.float()[:, None, :] for t in rope)  # (T, 1, head_dim): every slot of a token alike
         half = head_dim // 2
@@ -593,25 +594,35 @@ def _turn(t: Tensor, rope: Tuple[Tensor, Tensor], n_rot: int, back: bool) -> Ten
     return torch.cat([head, t[..., n_rot:, :]], -2)
 
 
-def _head_forward_torch(qkv, table, rope, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """The kernel's forward in plain torch: (q, k, v) each a tensor of its own, and rstd (..., slots) in fp32."""
+def _head_forward_torch(qkv, table, rope, n_q, n_kv, head_dim, eps,
+                        normalise=True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The kernel's forward in plain torch: (q, k, v) each a tensor of its own, and rstd (..., slots) in fp32
+    (without ``normalise``: q, k, v as they come, RoPE only, and rstd empty)."""
     u = qkv.float().unflatten(-1, (n_q + 2 * n_kv, head_dim))
-    r = torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
-    y = u * r * table if table is not None else u * r
+    if not normalise:
+        y, r = u, u.new_empty(0)
+    else:
+        r = torch.rsqrt(u.pow(2).mean(-1, keepdim=True) + eps)
+        y = u * r * table if table is not None else u * r
     if rope is not None:
         y = _turn(y, rope, n_q + n_kv, back=False)
     q, k, v = (t.contiguous() for t in y.flatten(-2).to(qkv.dtype).split([n_q * head_dim, n_kv * head_dim,
                                                                           n_kv * head_dim], -1))
-    return q, k, v, r.squeeze(-1)
+    return q, k, v, (r.squeeze(-1) if normalise else r)
 
 
 def _head_backward_torch(outs, grads, rstd, table, rope, n_q, n_kv, head_dim) -> Tuple[Tensor, Optional[Tensor]]:
-    """The kernel's backward in plain torch (not autograd), from the op's outputs: (d qkv fp32, d table fp32)."""
+    """The kernel's backward in plain torch (not autograd), from the op's outputs: (d qkv fp32, d table fp32);
+    ``outs`` None: no norm (RoPE only), d qkv is the gradient turned back."""
     slots = n_q + 2 * n_kv
-    o = torch.cat([t.float() for t in outs], -1).unflatten(-1, (slots, head_dim))
     g = torch.cat([t.float() for t in grads], -1).unflatten(-1, (slots, head_dim))
-    if rope is not None:  # back to the norm's output, and its gradient through the rotation's transpose
-        o, g = _turn(o, rope, n_q + n_kv, back=True), _turn(g, rope, n_q + n_kv, back=True)
+    if rope is not None:  # the gradient through the rotation's transpose
+        g = _turn(g, rope, n_q + n_kv, back=True)
+    if outs is None:
+        return g.flatten(-2), None
+    o = torch.cat([t.float() for t in outs], -1).unflatten(-1, (slots, head_dim))
+    if rope is not None:  # back to the norm's output
+        o = _turn(o, rope, n_q + n_kv, back=True)
     u_hat = torch.where(table != 0, o / table, 0.0) if table is not None else o
     gw = g * table if table is not None else g
     du = rstd.unsqueeze(-1) * (gw - u_hat * (gw * u_hat).mean(-1, keepdim=True))
@@ -632,15 +643,18 @@ if triton is not None:
 
     @triton.jit
     def _head_forward_kernel(T, Q, K, V, R, W, SIN, COS, t_stride, seq, n_q, n_kv, hd, eps, HAS_W: tl.constexpr,
-                             ROPE: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+                             ROPE: tl.constexpr, NORM: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         slots = n_q + 2 * n_kv
         s = tl.arange(0, SLOTS)[:, None]
         c = tl.arange(0, BLOCK)[None, :]
         mask = (s < slots) & (c < hd)
         u = tl.load(T + row * t_stride + s * hd + c, mask=mask, other=0.0).to(tl.float32)
-        r = 1.0 / tl.sqrt(tl.sum(u * u, axis=1) / hd + eps)
-        tl.store(R + row * slots + tl.arange(0, SLOTS), r, mask=tl.arange(0, SLOTS) < slots)
+        if NORM:
+            r = 1.0 / tl.sqrt(tl.sum(u * u, axis=1) / hd + eps)
+            tl.store(R + row * slots + tl.arange(0, SLOTS), r, mask=tl.arange(0, SLOTS) < slots)
+        else:
+            r = tl.full([SLOTS], 1.0, tl.float32)
         out = u * r[:, None]
         if HAS_W:
             out = out * tl.load(W + s * hd + c, mask=mask, other=0.0)
@@ -663,8 +677,8 @@ if triton is not None:
 
     @triton.jit
     def _head_backward_kernel(Q, K, V, R, DQ, DK, DV, DT, W, PW, SIN, COS, seq, rows, n_q, n_kv, hd,
-                              HAS_W: tl.constexpr, ROPE: tl.constexpr, ROWS_PER_PROGRAM: tl.constexpr,
-                              SLOTS: tl.constexpr, BLOCK: tl.constexpr):
+                              HAS_W: tl.constexpr, ROPE: tl.constexpr, NORM: tl.constexpr,
+                              ROWS_PER_PROGRAM: tl.constexpr, SLOTS: tl.constexpr, BLOCK: tl.constexpr):
         pid = tl.program_id(0)
         slots = n_q + 2 * n_kv
         s = tl.arange(0, SLOTS)[:, None]
@@ -678,66 +692,73 @@ if triton is not None:
         for i in range(ROWS_PER_PROGRAM):
             row = (pid * ROWS_PER_PROGRAM + i).to(tl.int64)
             m = mask & (row < rows)
-            o = _slot_load(Q, K, V, row, s, c, n_q, n_kv, hd, m)
             g = _slot_load(DQ, DK, DV, row, s, c, n_q, n_kv, hd, m)
-            if ROPE:  # the output turned back (the norm's output) and the gradient through the transpose
+            if ROPE:  # the gradient through the rotation's transpose
                 pos = row % seq
                 sn = tl.load(SIN + pos * hd + c, mask=c < hd, other=0.0)
                 cs = tl.load(COS + pos * hd + c, mask=c < hd, other=0.0)
                 turned = s < n_q + n_kv
-                o = tl.where(turned, o * cs - sign * _slot_load(Q, K, V, row, s, p, n_q, n_kv, hd, m) * sn, o)
                 g = tl.where(turned, g * cs - sign * _slot_load(DQ, DK, DV, row, s, p, n_q, n_kv, hd, m) * sn, g)
-            r = tl.load(R + row * slots + s, mask=(s < slots) & (row < rows), other=0.0)
-            if HAS_W:
-                u_hat = tl.where(w != 0.0, o / w, 0.0)
-                gw = g * w
-                acc += g * u_hat
+            if NORM:  # the output turned back too (the norm's output), then the norm's backward
+                o = _slot_load(Q, K, V, row, s, c, n_q, n_kv, hd, m)
+                if ROPE:
+                    o = tl.where(turned, o * cs - sign * _slot_load(Q, K, V, row, s, p, n_q, n_kv, hd, m) * sn, o)
+                r = tl.load(R + row * slots + s, mask=(s < slots) & (row < rows), other=0.0)
+                if HAS_W:
+                    u_hat = tl.where(w != 0.0, o / w, 0.0)
+                    gw = g * w
+                    acc += g * u_hat
+                else:
+                    u_hat = o
+                    gw = g
+                du = r * (gw - u_hat * (tl.sum(gw * u_hat, axis=1) / hd)[:, None])
             else:
-                u_hat = o
-                gw = g
-            du = r * (gw - u_hat * (tl.sum(gw * u_hat, axis=1) / hd)[:, None])
+                du = g
             tl.store(DT + row * slots * hd + s * hd + c, du.to(DT.dtype.element_ty), mask=m)
         if HAS_W:
             tl.store(PW + pid * slots * hd + s * hd + c, acc, mask=mask)
 
 
-def _head_forward_impl(qkv, table, rope, n_q, n_kv, head_dim, eps) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+def _head_forward_impl(qkv, table, rope, n_q, n_kv, head_dim, eps,
+                       normalise=True) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     if not _use_triton(qkv):
-        return _head_forward_torch(qkv, table, rope, n_q, n_kv, head_dim, eps)
+        return _head_forward_torch(qkv, table, rope, n_q, n_kv, head_dim, eps, normalise)
     slots = n_q + 2 * n_kv
     rows_t, stride = _rows(qkv, slots * head_dim)
     rows = rows_t.shape[0]
     q = torch.empty((rows, n_q * head_dim), dtype=qkv.dtype, device=qkv.device)
     k, v = (torch.empty((rows, n_kv * head_dim), dtype=qkv.dtype, device=qkv.device) for _ in range(2))
-    rstd = torch.empty((rows, slots), dtype=torch.float32, device=qkv.device)
-    sin, cos = (t.float().contiguous() for t in rope) if rope is not None else (rstd, rstd)
-    _head_forward_kernel[(rows,)](rows_t, q, k, v, rstd, table if table is not None else q, sin, cos, stride,
-                                  qkv.shape[-2] if qkv.dim() > 1 else 1, n_q, n_kv, head_dim, float(eps),
-                                  HAS_W=table is not None, ROPE=rope is not None, SLOTS=triton.next_power_of_2(slots),
-                                  BLOCK=triton.next_power_of_2(head_dim))
+    rstd = torch.empty((rows, slots) if normalise else (0,), dtype=torch.float32, device=qkv.device)
+    sin, cos = (t.float().contiguous() for t in rope) if rope is not None else (q, q)
+    _head_forward_kernel[(rows,)](rows_t, q, k, v, rstd if normalise else q, table if table is not None else q, sin,
+                                  cos, stride, qkv.shape[-2] if qkv.dim() > 1 else 1, n_q, n_kv, head_dim, float(eps),
+                                  HAS_W=table is not None, ROPE=rope is not None, NORM=normalise,
+                                  SLOTS=triton.next_power_of_2(slots), BLOCK=triton.next_power_of_2(head_dim))
     lead = qkv.shape[:-1]
-    return q.view(*lead, -1), k.view(*lead, -1), v.view(*lead, -1), rstd.view(*lead, slots)
+    return q.view(*lead, -1), k.view(*lead, -1), v.view(*lead, -1), (rstd.view(*lead, slots) if normalise else rstd)
 
 
 def _head_backward_impl(outs, grads, rstd, table, rope, n_q, n_kv, head_dim) -> Tuple[Tensor, Optional[Tensor]]:
-    """(d qkv, d table) from the op's outputs (q, k, v), rstd and their gradients: d qkv in fp32 on the torch path,
-    in the outputs' dtype from the kernel (computed in fp32, written once); d table's partial sums in fp32."""
-    if not _use_triton(outs[0]):
+    """(d qkv, d table) from the op's outputs (q, k, v), rstd and their gradients (``outs`` None: RoPE only, no
+    norm): d qkv in fp32 on the torch path, in the gradients' dtype from the kernel (computed in fp32, written once);
+    d table's partial sums in fp32."""
+    if not _use_triton(grads[0]):
         return _head_backward_torch(outs, grads, rstd, table, rope, n_q, n_kv, head_dim)
     slots = n_q + 2 * n_kv
-    lead = outs[0].shape[:-1]
-    q, k, v, dq, dk, dv = (t.reshape(-1, t.shape[-1]).contiguous() for t in (*outs, *grads))
-    rows = q.shape[0]
-    dt = torch.empty((rows, slots * head_dim), dtype=q.dtype, device=q.device)
+    lead = grads[0].shape[:-1]
+    dq, dk, dv = (t.reshape(-1, t.shape[-1]).contiguous() for t in grads)
+    q, k, v = (t.reshape(-1, t.shape[-1]).contiguous() for t in outs) if outs is not None else (dq, dk, dv)
+    rows = dq.shape[0]
+    dt = torch.empty((rows, slots * head_dim), dtype=dq.dtype, device=dq.device)
     per = min(_ROWS_PER_PROGRAM, rows)
     programs = triton.cdiv(rows, per)
-    partial = torch.empty((programs, slots, head_dim), dtype=torch.float32, device=q.device) \
+    partial = torch.empty((programs, slots, head_dim), dtype=torch.float32, device=dq.device) \
         if table is not None else dt
-    sin, cos = (t.float().contiguous() for t in rope) if rope is not None else (rstd, rstd)
-    _head_backward_kernel[(programs,)](q, k, v, rstd.contiguous(), dq, dk, dv, dt,
+    sin, cos = (t.float().contiguous() for t in rope) if rope is not None else (dt, dt)
+    _head_backward_kernel[(programs,)](q, k, v, rstd.contiguous() if outs is not None else dt, dq, dk, dv, dt,
                                        table if table is not None else dt, partial, sin, cos,
                                        lead[-1] if lead else 1, rows, n_q, n_kv, head_dim, HAS_W=table is not None,
-                                       ROPE=rope is not None, ROWS_PER_PROGRAM=per,
+                                       ROPE=rope is not None, NORM=outs is not None, ROWS_PER_PROGRAM=per,
                                        SLOTS=triton.next_power_of_2(slots), BLOCK=triton.next_power_of_2(head_dim),
                                        num_warps=_HEAD_WARPS)
     return dt.view(*lead, slots * head_dim), (partial.sum(0) if table is not None else None)
@@ -745,44 +766,50 @@ def _head_backward_impl(outs, grads, rstd, table, rope, n_q, n_kv, head_dim) -> 
 
 @torch.library.custom_op(f"{NAMESPACE}::head_norm_forward", mutates_args=())
 def _head_norm_forward(qkv: Tensor, q_weight: Opt, k_weight: Opt, v_weight: Opt, sin: Opt, cos: Opt, n_q: int,
-                       n_kv: int, head_dim: int, eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(q, k, v, rstd): rstd (..., slots) fp32, what the backward needs beside the outputs."""
+                       n_kv: int, head_dim: int, eps: float, normalise: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(q, k, v, rstd): rstd (..., slots) fp32, what the backward needs beside the outputs (empty without
+    ``normalise``: RoPE only)."""
     table = _head_table(q_weight, k_weight, v_weight, n_q, n_kv)
-    return _head_forward_impl(qkv, table, (sin, cos) if sin is not None else None, n_q, n_kv, head_dim, eps)
+    return _head_forward_impl(qkv, table, (sin, cos) if sin is not None else None, n_q, n_kv, head_dim, eps,
+                              normalise)
 
 
 @_head_norm_forward.register_fake
-def _(qkv, q_weight, k_weight, v_weight, sin, cos, n_q, n_kv, head_dim, eps):
+def _(qkv, q_weight, k_weight, v_weight, sin, cos, n_q, n_kv, head_dim, eps, normalise):
     lead = qkv.shape[:-1]
     return qkv.new_empty(*lead, n_q * head_dim), qkv.new_empty(*lead, n_kv * head_dim), \
-        qkv.new_empty(*lead, n_kv * head_dim), qkv.new_empty(*lead, n_q + 2 * n_kv, dtype=torch.float32)
+        qkv.new_empty(*lead, n_kv * head_dim), \
+        (qkv.new_empty(*lead, n_q + 2 * n_kv, dtype=torch.float32) if normalise else _empty(qkv).float())
 
 
 @torch.library.custom_op(f"{NAMESPACE}::head_norm_backward", mutates_args=())
-def _head_norm_backward(q: Tensor, k: Tensor, v: Tensor, rstd: Tensor, dq: Tensor, dk: Tensor, dv: Tensor,
-                        q_weight: Opt, k_weight: Opt, v_weight: Opt, sin: Opt, cos: Opt, n_q: int, n_kv: int,
+def _head_norm_backward(q: Opt, k: Opt, v: Opt, rstd: Opt, dq: Tensor, dk: Tensor, dv: Tensor, q_weight: Opt,
+                        k_weight: Opt, v_weight: Opt, sin: Opt, cos: Opt, n_q: int, n_kv: int,
                         head_dim: int) -> List[Tensor]:
-    """(d qkv, d q_weight, d k_weight, d v_weight) from the forward's outputs; the weights' empty without weights."""
+    """(d qkv, d q_weight, d k_weight, d v_weight) from the forward's outputs (None: RoPE only, no norm); the
+    weights' empty without weights."""
     weights = (q_weight, k_weight, v_weight)
-    dqkv, dtable = _head_backward_impl((q, k, v), (dq, dk, dv), rstd, _head_table(*weights, n_q, n_kv),
-                                       (sin, cos) if sin is not None else None, n_q, n_kv, head_dim)
+    dqkv, dtable = _head_backward_impl((q, k, v) if q is not None else None, (dq, dk, dv), rstd,
+                                       _head_table(*weights, n_q, n_kv), (sin, cos) if sin is not None else None,
+                                       n_q, n_kv, head_dim)
     if dtable is None:
-        return [dqkv.to(q.dtype), _empty(q), _empty(q), _empty(q)]
+        return [dqkv.to(dq.dtype), _empty(dq), _empty(dq), _empty(dq)]
     grads = [part.sum(0) for part in dtable.split([n_q, n_kv, n_kv])]  # each slot's into its group's weight
-    return [dqkv.to(q.dtype)] + [g.to(w.dtype) for g, w in zip(grads, weights)]
+    return [dqkv.to(dq.dtype)] + [g.to(w.dtype) for g, w in zip(grads, weights)]
 
 
 @_head_norm_backward.register_fake
 def _(q, k, v, rstd, dq, dk, dv, q_weight, k_weight, v_weight, sin, cos, n_q, n_kv, head_dim):
     weights = (q_weight, k_weight, v_weight)
-    return [q.new_empty(*q.shape[:-1], (n_q + 2 * n_kv) * head_dim)] + \
-        [w.new_empty(w.shape) if w is not None else _empty(q) for w in weights]
+    return [dq.new_empty(*dq.shape[:-1], (n_q + 2 * n_kv) * head_dim)] + \
+        [w.new_empty(w.shape) if w is not None else _empty(dq) for w in weights]
 
 
 def _head_setup(ctx, inputs, output):
-    _, q_weight, k_weight, v_weight, sin, cos, n_q, n_kv, head_dim, _ = inputs
-    # the outputs, not qkv: attention keeps q, k and v itself, so the norm keeps nothing of its own but rstd
-    ctx.save_for_backward(*output, q_weight, k_weight, v_weight, sin, cos)
+    _, q_weight, k_weight, v_weight, sin, cos, n_q, n_kv, head_dim, _, normalise = inputs
+    # the outputs, not qkv: attention keeps q, k and v itself, so the norm keeps nothing of its own but rstd (RoPE
+    # alone needs neither)
+    ctx.save_for_backward(*(output if normalise else (None,) * 4), q_weight, k_weight, v_weight, sin, cos)
     ctx.args = (n_q, n_kv, head_dim)
     ctx.set_materialize_grads(False)  # rstd gets no gradient: no zeros written for it
 
@@ -790,9 +817,11 @@ def _head_setup(ctx, inputs, output):
 def _head_backward(ctx, dq, dk, dv, _drstd):
     q, k, v, rstd, *rest = ctx.saved_tensors
     n_q, n_kv, head_dim = ctx.args
-    dq, dk, dv = (g if g is not None else torch.zeros_like(t) for g, t in ((dq, q), (dk, k), (dv, v)))
+    given = next(g for g in (dq, dk, dv) if g is not None)
+    dq, dk, dv = (g if g is not None else given.new_zeros(*given.shape[:-1], n * head_dim)
+                  for g, n in ((dq, n_q), (dk, n_kv), (dv, n_kv)))
     dqkv, *dw = _head_norm_backward(q, k, v, rstd, dq, dk, dv, *rest, n_q, n_kv, head_dim)
-    return (dqkv, *(g if g.numel() else None for g in dw), None, None, None, None, None, None)
+    return (dqkv, *(g if g.numel() else None for g in dw), None, None, None, None, None, None, None)
 
 
 _head_norm_forward.register_autograd(_head_backward, setup_context=_head_setup)
@@ -820,7 +849,20 @@ def head_norm(qkv: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor
         raise ValueError(f"head_norm's rope takes (sin, cos), each (T, head_dim) = ({qkv.shape[-2]}, {head_dim}) "
                          f"with head_dim even; got {tuple(sin.shape)} and {tuple(cos.shape)}")
     return _head_norm_forward(qkv, q_weight, k_weight, v_weight, sin, cos, int(n_q), int(n_kv), int(head_dim),
-                              float(eps))[:3]
+                              float(eps), True)[:3]
+
+
+def qkv_rope(qkv: Tensor, *, n_q: int, n_kv: int, head_dim: int,
+             rope: Tuple[Tensor, Tensor]) -> Tuple[Tensor, Tensor, Tensor]:
+    """RoPE on the q and k heads of the fused projection's output, v copied, one op each way (``head_norm``'s op
+    without the norm): (q, k, v) each a tensor of its own, so attention keeps those three and not qkv (which a v
+    split off as a view would keep whole); the backward keeps nothing (it turns the gradients back by RoPE's
+    transpose and writes d qkv whole). ``rope`` = (sin, cos), each (T, head_dim); fp32 inside, one rounding."""
+    sin, cos = rope
+    if qkv.dim() < 2 or sin.shape != (qkv.shape[-2], head_dim) or cos.shape != sin.shape or head_dim % 2:
+        raise ValueError(f"qkv_rope takes (sin, cos), each (T, head_dim) = ({qkv.shape[-2]}, {head_dim}) with "
+                         f"head_dim even; got {tuple(sin.shape)} and {tuple(cos.shape)}")
+    return _head_norm_forward(qkv, None, None, None, sin, cos, int(n_q), int(n_kv), int(head_dim), 1e-5, False)[:3]
 
 
 # ---- mHC's Sinkhorn-Knopp iterations in one kernel each way -----------------------------------------------------
@@ -1688,9 +1730,9 @@ def _used_again(outputs):
 def SIZE_CASES(case: dict) -> bool:
     """The combinations a check at the recipes' sizes runs (``check(select=SIZE_CASES)``): each op once with every part
     on (two streams, O, LN^X, gamma, LN^in, weights; stacked and separate), the one-stream op, ``copy``,
-    ``block_input``, ``stream_add``, the head norms (fewer k/v heads, strided, RoPE), Sinkhorn (4 streams, 20 iterations),
+    ``block_input``, ``stream_add``, the head norms (fewer k/v heads, strided, RoPE), ``qkv_rope``, Sinkhorn (4 streams, 20 iterations),
     ``stream_mix`` (4 streams), ``pair_mix`` (dynamic with the norm's weight, with O; and on the stacked state) and
-    ``rms_project`` (both cases): 15 of the 372 (the two-stream op with and without gamma, on separate and stacked
+    ``rms_project`` (both cases): 16 of the 376 (the two-stream op with and without gamma, on separate and stacked
     streams)."""
     full = dict(two=True, has_o=True, x_norm=True, wx=True, wy=True, in_norm=True, win=True)
     if "two" in case and len(case) == 9:  # the stream op's 256 + 32
@@ -1698,6 +1740,7 @@ def SIZE_CASES(case: dict) -> bool:
             not case["two"] and case["has_o"] and case["in_norm"] and case["win"] and case["wy"] and not case["stacked"])
     return case in (dict(stream_add=True, stacked=True),
                     dict(head_norm=True, affine=True, n_q=4, n_kv=2, strided=True, rope=True),
+                    dict(qkv_rope=True, n_q=4, n_kv=2, strided=True),
                     dict(sinkhorn=True, n=4, order="columns_first", iterations=20),
                     dict(stream_mix=True, n=4, widened=False),
                     dict(copy=True, two=True, x_norm=True, in_norm=True),
@@ -1713,7 +1756,8 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
     """Every flag combination of ``stream_input`` (two streams: 256; one stream: 32; with ``copy``, O absent: one
     and two streams, LN^X, LN^in: 6), of ``block_input`` (O, LN^X, gamma, LN^in, weights or none: 32) and of
     ``stream_add``, on separate and stacked streams, of ``head_norm`` (with and without weights, as many k/v heads as
-    q heads and fewer, contiguous and strided, with and without RoPE: 16), of ``pair_mix`` (with and without O, static and dynamic with and
+    q heads and fewer, contiguous and strided, with and without RoPE: 16), of ``qkv_rope`` (as many k/v heads and
+    fewer, contiguous and strided: 4), of ``pair_mix`` (with and without O, static and dynamic with and
     without the norm's weight, separate and stacked streams: 12), of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8), of
     ``stream_mix`` (4, 3 and 2 streams, stacked and widened from one stream: 6) and of ``rms_project`` (mHC's 24
     columns over 4 d features; hc's 6 over d, rows read in place: 2), forward and backward (a random
@@ -1807,6 +1851,21 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
         seen.append(case)
         if not agree(lambda: head_reference(qkv, *ws, **kw), lambda: head_norm(qkv, *ws, **kw),
                      [base] + [w for w in ws if w is not None], (n_q * hd, n_kv * hd, n_kv * hd)):
+            bad.append(case)
+    for (n_q, n_kv), strided in itertools.product([(3, 3), (4, 2)], [False, True]):
+        hd = 8
+        width = (n_q + 2 * n_kv) * hd
+        base = randn(*rows, width + 5 if strided else width)
+        qkv = base[..., 2:2 + width] if strided else base
+        angles = torch.arange(rows[-1], dtype=torch.float64)[:, None] * 0.7 ** torch.arange(hd // 2)
+        rope = tuple(f(torch.cat([angles, angles], -1)).float().to(device) for f in (torch.sin, torch.cos))
+        kw = dict(n_q=n_q, n_kv=n_kv, head_dim=hd, rope=rope)
+        case = dict(qkv_rope=True, n_q=n_q, n_kv=n_kv, strided=strided)
+        if select is not None and not select(case):
+            continue
+        seen.append(case)
+        if not agree(lambda: head_reference(qkv, None, None, None, normalise=False, **kw), lambda: qkv_rope(qkv, **kw),
+                     [base], (n_q * hd, n_kv * hd, n_kv * hd)):
             bad.append(case)
     for n, columns_first, iterations in itertools.product([4, 3], [True, False], [1, 20]):
         logits = (2 * randn(*rows, n * n, grad=False, as_dtype=torch.float64 if dtype == torch.float64

@@ -21,7 +21,7 @@ from olmo.config import ModelConfig
 from olmo.model import BufferCache, LayerNormBase, OLMoSequentialBlock
 from torch.utils.checkpoint import checkpoint
 
-from ..nn.fused import block_input, pair_mix, stream_add, stream_input
+from ..nn.fused import block_input, pair_mix, qkv_rope, stream_add, stream_input
 from ..nn.topologies import DEPTH_SCALING_FORMS, MIXING_FORMS, StackedStreams, StreamMixing, depth_divisor
 from .spec import Knob, knob
 
@@ -206,9 +206,43 @@ class TopologyBlock(StackedStreams, OLMoSequentialBlock):
         return self.dropout(att), cache
 
     def qkv_heads(self, qkv: torch.Tensor, cached: bool = False) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """q, k, v from the fused attention projection's output (views of it); ``cached``: a KV cache is read or
-        written (generation), where OLMo keeps k before RoPE."""
+        """q, k, v from the fused attention projection's output: views of it, or with ``rotates_in_op`` q and k
+        rotated by one op that writes q, k and v as tensors of their own (siamesenorm/nn/fused.py ``qkv_rope``), so
+        that attention keeps those and not qkv whole. ``cached``: a KV cache is read or written (generation)."""
+        if self.rotates_in_op(cached):
+            return qkv_rope(qkv, n_q=self.config.n_heads, n_kv=self.config.effective_n_kv_heads,
+                            head_dim=self.config.d_model // self.config.n_heads, rope=self.rope_tables(qkv))
         return qkv.split(self.fused_dims, dim=-1)
+
+    def rotates_in_op(self, cached: bool) -> bool:
+        """Whether RoPE runs in ``qkv_heads``' op (with ``model.fused_streams``, RoPE on, no Q/K layer norm of OLMo's
+        to come first, no KV cache: OLMo caches k before RoPE, so generation keeps OLMo's own); ``attention`` then
+        leaves q and k as they come."""
+        return self.fused_streams and self.config.rope and self.q_norm is None and not cached
+
+    def rope_tables(self, qkv: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """OLMo's RoPE tables (sin, cos) for qkv's T positions 0..T-1, each (T, head_dim) fp32."""
+        sin, cos = self.rotary_emb.get_rotary_embedding(qkv.shape[-2], qkv.device)
+        return sin[0, 0], cos[0, 0]
+
+    def attention(self, q, k, v, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None,
+                  cu_doc_lens=None):
+        if not self.rotates_in_op(layer_past is not None or use_cache):
+            return super().attention(q, k, v, attention_bias, layer_past=layer_past, use_cache=use_cache,
+                                     max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens)
+        # OLMo's attention (ai2-olmo 0.6.0) for q and k that come rotated, without a KV cache: the heads to the
+        # front, the bias cast, OLMo's scaled dot-product attention, the heads back, attn_out
+        B, T, C = q.shape
+        hs = C // self.config.n_heads
+        q = q.view(B, T, self.config.n_heads, hs).transpose(1, 2)
+        k = k.view(B, T, self.config.effective_n_kv_heads, hs).transpose(1, 2)
+        v = v.view(B, T, self.config.effective_n_kv_heads, hs).transpose(1, 2)
+        if attention_bias is not None:
+            attention_bias = self._cast_attn_bias(attention_bias[:, :, :T, :T], k.dtype)
+        att = self._scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_bias, dropout_p=0.0 if not self.training else self.config.attention_dropout,
+            is_causal=attention_bias is None, max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens)
+        return self.attn_out(att.transpose(1, 2).contiguous().view(B, T, C)), None
 
     def mlp_branch(self, h: torch.Tensor, out_norm: Optional[LayerNormBase] = None) -> torch.Tensor:
         """dropout(MLP(h)) with OLMo's ff_proj, activation and ff_out; ``out_norm`` (if given) before dropout."""

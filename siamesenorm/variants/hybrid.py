@@ -42,52 +42,25 @@ class QKVHeadNormAttention(TopologyBlock):
         self.k_head_norm = self.new_norm(self.head_dim, elementwise_affine=affine)
         self.v_head_norm = self.new_norm(self.head_dim, elementwise_affine=affine)
 
-    def rotates_in_norm(self, cached: bool) -> bool:
-        """Whether the fused head norms apply RoPE too (``model.fused_streams`` with RoPE, no KV cache: OLMo caches k
-        before RoPE, so generation keeps OLMo's own)."""
-        return self.fused_streams and self.config.rope and not cached
-
     def qkv_heads(self, qkv, cached=False):
         """With ``model.fused_streams``, the three per-head norms as one op over the projection's output (one pass
         each way, siamesenorm/nn/fused.py ``head_norm``; q, k, v each a tensor of its own), RoPE included
-        (``rotates_in_norm``): attention then keeps the op's outputs for its own backward and the op keeps only
+        (``rotates_in_op``): attention then keeps the op's outputs for its own backward and the op keeps only
         rstd beside them, where it would otherwise keep qkv (3 (B, T, d) tensors a layer at the 1.3B recipe)."""
         if not self.fused_streams:
             return super().qkv_heads(qkv, cached)
         weights = (self.weight(n) for n in (self.q_head_norm, self.k_head_norm, self.v_head_norm))
-        rope = None
-        if self.rotates_in_norm(cached):
-            sin, cos = self.rotary_emb.get_rotary_embedding(qkv.shape[-2], qkv.device)
-            rope = (sin[0, 0], cos[0, 0])  # (T, head_dim), fp32: OLMo's tables; positions 0..T-1 without a cache
         return head_norm(qkv, *weights, n_q=self.config.n_heads, n_kv=self.config.effective_n_kv_heads,
-                         head_dim=self.head_dim, eps=self.config.layer_norm_eps, rope=rope)
+                         head_dim=self.head_dim, eps=self.config.layer_norm_eps,
+                         rope=self.rope_tables(qkv) if self.rotates_in_op(cached) else None)
 
-    def attention(self, q, k, v, attention_bias=None, layer_past=None, use_cache=False, max_doc_len=None,
-                  cu_doc_lens=None):
+    def attention(self, q, k, v, *args, **kwargs):
         if not self.fused_streams:
             q = self.norm(lambda t: _per_head(self.q_head_norm, t, self.head_dim), q)
             k = self.norm(lambda t: _per_head(self.k_head_norm, t, self.head_dim), k)
             v = self.norm(lambda t: _per_head(self.v_head_norm, t, self.head_dim), v)
-        elif self.rotates_in_norm(layer_past is not None or use_cache):
-            return self._attention_turned(q, k, v, attention_bias, max_doc_len, cu_doc_lens)
-        # RoPE is applied in there, after our norms
-        return super().attention(q, k, v, attention_bias, layer_past=layer_past, use_cache=use_cache,
-                                 max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens)
-
-    def _attention_turned(self, q, k, v, attention_bias, max_doc_len, cu_doc_lens):
-        """OLMo's ``attention`` (ai2-olmo 0.6.0) for q and k that come rotated already, without a KV cache: the
-        heads to the front, the bias cast, OLMo's scaled dot-product attention, the heads back, ``attn_out``."""
-        B, T, C = q.shape
-        hs = C // self.config.n_heads
-        q = q.view(B, T, self.config.n_heads, hs).transpose(1, 2)
-        k = k.view(B, T, self.config.effective_n_kv_heads, hs).transpose(1, 2)
-        v = v.view(B, T, self.config.effective_n_kv_heads, hs).transpose(1, 2)
-        if attention_bias is not None:
-            attention_bias = self._cast_attn_bias(attention_bias[:, :, :T, :T], k.dtype)
-        att = self._scaled_dot_product_attention(
-            q, k, v, attn_mask=attention_bias, dropout_p=0.0 if not self.training else self.config.attention_dropout,
-            is_causal=attention_bias is None, max_doc_len=max_doc_len, cu_doc_lens=cu_doc_lens)
-        return self.attn_out(att.transpose(1, 2).contiguous().view(B, T, C)), None
+        # RoPE is applied in there, after our norms (or was, in ``head_norm``: TopologyBlock.attention knows which)
+        return super().attention(q, k, v, *args, **kwargs)
 
 
 def validate_qkv_head_norms(config, model_type: str) -> None:

@@ -34,9 +34,9 @@ def test_torch_path_matches_autograd_of_the_reference():
     assert not fused.available(torch.zeros(1)), "this test is for the torch path (no CUDA, no TRITON_INTERPRET)"
     seen = []
     assert fused.check(seen=seen) == []
-    # 256 two-stream + 32 one-stream + 6 with copy + 32 block_input + 2 stream_add + 16 head_norm + 8 sinkhorn + 6 mix
-    # + 12 pair_mix + 2 rms_project
-    assert len(seen) == 372
+    # 256 two-stream + 32 one-stream + 6 with copy + 32 block_input + 2 stream_add + 16 head_norm + 4 qkv_rope + 8 sinkhorn
+    # + 6 mix + 12 pair_mix + 2 rms_project
+    assert len(seen) == 376
 
 
 def test_the_check_catches_a_wrong_head_norm_backward(monkeypatch):
@@ -53,12 +53,12 @@ def test_the_check_catches_a_wrong_head_norm_backward(monkeypatch):
 
 def test_the_check_catches_a_head_norm_that_forgets_to_turn_back(monkeypatch):
     """head_norm's backward without RoPE's inverse (the outputs taken as the norm's output, the gradients as the
-    norm's): exactly the 8 combinations with RoPE fail."""
+    norm's): exactly the 8 head-norm combinations with RoPE and the 4 of ``qkv_rope`` fail."""
     original = fused._head_backward_impl
     monkeypatch.setattr(fused, "_head_backward_impl", lambda outs, grads, rstd, table, rope, *args:
                         original(outs, grads, rstd, table, None, *args))
     bad = fused.check()
-    assert len(bad) == 8 and all(b.get("head_norm") and b["rope"] for b in bad), bad
+    assert len(bad) == 12 and all(b.get("qkv_rope") or b.get("head_norm") and b["rope"] for b in bad), bad
 
 
 def test_the_check_catches_a_wrong_pair_mix_backward(monkeypatch):
@@ -112,20 +112,23 @@ def test_triton_kernels_in_the_interpreter():
     # the two checks in two processes at once: the interpreter is single-threaded Python, the machines have 2 cores
     runs = {dtype: subprocess.Popen([sys.executable, "-c", code.format(dtype=dtype, tol=tol, big=big, big_tol=big_tol)],
                                     env=INTERPRETER_ENV, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-            for dtype, tol, big, big_tol in (("float64", 2e-5, "float64", 2e-5), ("bfloat16", 3e-2, "bfloat16", 3e-2))}
+            for dtype, tol, big, big_tol in (("float64", 2e-5, "float64", 1e-4), ("bfloat16", 3e-2, "bfloat16", 3e-2))}
     for dtype, run in runs.items():
         out, err = run.communicate(timeout=1500)
         assert run.returncode == 0, err[-3000:]
         # fp64 inputs to 2e-5 elementwise; bf16 inputs (as autocast gives them) to 3e-2 of each tensor's largest
         # value against the references computed in fp32 from the same inputs: the kernels write bf16 gradients
         small, big = out.strip().splitlines()[-2:]
-        assert small == f"{dtype} mismatches [] 372", out[-3000:]
+        assert small == f"{dtype} mismatches [] 376", out[-3000:]
         # then each op once with every part on at a size where every code path runs: d = 200 (a 256-wide row block
         # with a partial tail, the stream mix's feature loop in 4 chunks of 64), 130 rows (the row-block backwards in
         # 3 programs of 64, the last 2 rows; the stream mix in 9 of 16 tokens, the last 2; the coefficient projection
         # in 5 programs of 32 rows over 13 chunks of 64 features (mHC's 800) or 4 (hc's 200), each ending in a
-        # partial chunk); fp64 and bf16 inputs within the same tolerances as above
-        assert big == f"{dtype} at size mismatches [] 15", out[-3000:]
+        # partial chunk); bf16 inputs within the tolerance above, fp64 inputs within 1e-4: fp32 inside, the weights'
+        # gradients sum 130 rows of up to 800 features in another order than the reference (with the inputs this
+        # draw gives since ``qkv_rope``'s cases joined the check, pair_mix's and the projection's differ by 2e-5 to
+        # 5e-5; a wrong kernel differs by far more: the monkeypatched checks above)
+        assert big == f"{dtype} at size mismatches [] 16", out[-3000:]
 
 
 def _perturbed_pair(model_type, **extra):
@@ -143,10 +146,11 @@ def _perturbed_pair(model_type, **extra):
 
 #: fused ops per forward of the 3-layer tiny model: (stream_forward, head_norm_forward, sinkhorn_forward,
 #: stream_mix_forward, project_forward). pre: two per block; SiameseNorm: two, and the end of every block but the
-#: last; HybridNorm's attention: one head_norm per block; hc and mhc: per connection (two a block) the branch's
-#: Pre-Norm as one stream op, one stream mix and the coefficients' projection as one op, and for mhc one Sinkhorn.
-FUSED_OPS = {"pre": (6, 0, 0, 0, 0), "hybrid_pre": (8, 3, 0, 0, 0), "post_pre": (8, 0, 0, 0, 0),
-             "hybrid": (0, 3, 0, 0, 0), "hybrid_star": (0, 3, 0, 0, 0), "mhc": (6, 0, 6, 6, 6), "hc": (6, 0, 0, 6, 6)}
+#: last; every block one head_norm_forward (HybridNorm's norms with RoPE, or RoPE alone: ``qkv_rope``); hc and
+#: mhc: per connection (two a block) the branch's Pre-Norm as one stream op, one stream mix and the coefficients'
+#: projection as one op, and for mhc one Sinkhorn.
+FUSED_OPS = {"pre": (6, 3, 0, 0, 0), "hybrid_pre": (8, 3, 0, 0, 0), "post_pre": (8, 3, 0, 0, 0),
+             "hybrid": (0, 3, 0, 0, 0), "hybrid_star": (0, 3, 0, 0, 0), "mhc": (6, 3, 6, 6, 6), "hc": (6, 3, 0, 6, 6)}
 
 
 @pytest.mark.parametrize("model_type,extra", [
@@ -331,20 +335,23 @@ def test_head_norm_is_one_op_each_way_and_keeps_no_more_than_unfused():
 
 
 def test_fused_head_norms_keep_what_attention_keeps_and_nothing_of_their_own():
-    """The fused head norms (RoPE inside) recompute from their outputs, which attention keeps anyway: the fused
-    single-stream HybridNorm keeps less than the fused pre (no input norm; q, k, v each kept once), and fused hybrid_pre
-    no more than fused post_pre (the same second stream). Recomputing from qkv, as the op did before, kept qkv
-    beside attention's own q, k, v: 3 (B, T, d) tensors a layer more, and both comparisons failed."""
+    """The fused head norms (RoPE inside) recompute from their outputs, which attention keeps anyway: fused hybrid_pre
+    keeps exactly what fused post_pre keeps (the same second stream; both rotate q and k in one op, ``qkv_rope`` for
+    post_pre) plus rstd, one fp32 number a head, token and layer; the single-stream HybridNorm keeps less than pre.
+    Recomputing from qkv, as the op did before, kept qkv beside attention's own q, k, v (3 (B, T, d) tensors a layer
+    more), and both comparisons failed."""
+    cfg = tiny_config()
     kept = {mt: _kept_unfused_and_fused(mt, recompute=True)[1] for mt in ("pre", "hybrid", "hybrid_pre", "post_pre")}
+    rstd = 3 * (2 * 16) * (cfg.n_heads + 2 * cfg.effective_n_kv_heads) * 4  # layers x tokens x heads x fp32
+    assert kept["hybrid_pre"] - kept["post_pre"] == rstd, kept
     assert kept["hybrid"] < kept["pre"], kept
-    assert kept["hybrid_pre"] <= kept["post_pre"], kept
 
 
-@pytest.mark.parametrize("model_type", ["hybrid_pre", "hybrid"])
-def test_fused_head_norms_with_a_kv_cache_leave_rope_to_olmo(model_type):
-    """Generation: OLMo caches k before RoPE, so with a cache the fused head norms leave RoPE to OLMo's attention;
-    logits of tokens run one at a time with the cache equal those of the whole sequence run at once (RoPE inside
-    the norms), and of the unfused model."""
+@pytest.mark.parametrize("model_type", ["hybrid_pre", "hybrid", "pre", "post_pre"])
+def test_fused_rope_with_a_kv_cache_is_left_to_olmo(model_type):
+    """Generation: OLMo caches k before RoPE, so with a cache the fused ops (the head norms, ``qkv_rope``) leave RoPE
+    to OLMo's attention; logits of the last tokens run with the cache equal those of the whole sequence run at once
+    (RoPE inside the op), and of the unfused model."""
     plain, fused_model = _perturbed_pair(model_type)
     ids = torch.randint(0, 96, (2, 12))
     with torch.no_grad():
