@@ -102,14 +102,16 @@ def test_torchrun_train_save_resume_is_exact(tmp_path, strategy, model_type):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("strategy,model_type", [("ddp", "deepnorm"), ("ddp", "residual"), ("ddp", "mixln"),
-                                                 ("ddp", "peri"), ("fsdp", "mhc"), ("ddp", "hybrid_star"),
-                                                 ("ddp", "pre_embednorm")])
-def test_added_variants_train_through_olmos_trainer(tmp_path, strategy, model_type):
+@pytest.mark.parametrize("strategy,model_type,extra", [
+    ("ddp", "deepnorm", []), ("ddp", "residual", []), ("ddp", "mixln", []), ("ddp", "peri", []), ("fsdp", "mhc", []),
+    ("ddp", "hybrid_star", []), ("ddp", "pre_embednorm", []),
+    # the fused ops (stream updates, head norms with RoPE, qkv_rope) through OLMo's trainer, FSDP and DDP
+    ("fsdp", "hybrid_pre", ["--model.fused_streams=true"]), ("ddp", "pre", ["--model.fused_streams=true"])])
+def test_added_variants_train_through_olmos_trainer(tmp_path, strategy, model_type, extra):
     """Two processes, every parameter used (DDP would fail otherwise), the loss falls, the record says finished."""
     data = learnable_tokens(tmp_path / "train.npy")
     args = [TINY, *SMALL, f"--data.paths=[{data}]", f"--distributed_strategy={strategy}", "--max_duration=12",
-            f"--save_folder={tmp_path / 'run'}", "--model.mixln_post_fraction=0.5"]
+            f"--save_folder={tmp_path / 'run'}", "--model.mixln_post_fraction=0.5", *extra]
     torchrun(args, {"MODEL_TYPE": model_type})
     curve = losses(tmp_path / "run")
     assert sorted(curve) == list(range(1, 13)) and curve[12] < curve[1] - 0.3, curve
