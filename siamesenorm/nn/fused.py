@@ -843,13 +843,18 @@ def head_norm(qkv: Tensor, q_weight: Optional[Tensor], k_weight: Optional[Tensor
     as 0, so that channel's weight gradient is 0 (a weight trained to exactly 0.0 in fp32 stays there)."""
     if (q_weight is None) != (k_weight is None) or (q_weight is None) != (v_weight is None):
         raise ValueError("head_norm takes the q, k and v weights all together or none of them")
-    sin, cos = rope if rope is not None else (None, None)
-    if rope is not None and (qkv.dim() < 2 or sin.shape != (qkv.shape[-2], head_dim) or cos.shape != sin.shape
-                             or head_dim % 2):
-        raise ValueError(f"head_norm's rope takes (sin, cos), each (T, head_dim) = ({qkv.shape[-2]}, {head_dim}) "
-                         f"with head_dim even; got {tuple(sin.shape)} and {tuple(cos.shape)}")
+    sin, cos = _rope_tables(qkv, rope, head_dim, "head_norm") if rope is not None else (None, None)
     return _head_norm_forward(qkv, q_weight, k_weight, v_weight, sin, cos, int(n_q), int(n_kv), int(head_dim),
                               float(eps), True)[:3]
+
+
+def _rope_tables(qkv: Tensor, rope: Tuple[Tensor, Tensor], head_dim: int, who: str) -> Tuple[Tensor, Tensor]:
+    """``rope`` as the op takes it, (sin, cos) each (T, head_dim) for qkv's T positions, or one line saying why not."""
+    sin, cos = rope
+    if qkv.dim() < 2 or sin.shape != (qkv.shape[-2], head_dim) or cos.shape != sin.shape or head_dim % 2:
+        raise ValueError(f"{who}'s rope takes (sin, cos), each (T, head_dim) = ({qkv.shape[-2]}, {head_dim}) "
+                         f"with head_dim even; got {tuple(sin.shape)} and {tuple(cos.shape)}")
+    return sin, cos
 
 
 def qkv_rope(qkv: Tensor, *, n_q: int, n_kv: int, head_dim: int,
@@ -858,10 +863,7 @@ def qkv_rope(qkv: Tensor, *, n_q: int, n_kv: int, head_dim: int,
     without the norm): (q, k, v) each a tensor of its own, so attention keeps those three and not qkv (which a v
     split off as a view would keep whole); the backward keeps nothing (it turns the gradients back by RoPE's
     transpose and writes d qkv whole). ``rope`` = (sin, cos), each (T, head_dim); fp32 inside, one rounding."""
-    sin, cos = rope
-    if qkv.dim() < 2 or sin.shape != (qkv.shape[-2], head_dim) or cos.shape != sin.shape or head_dim % 2:
-        raise ValueError(f"qkv_rope takes (sin, cos), each (T, head_dim) = ({qkv.shape[-2]}, {head_dim}) with "
-                         f"head_dim even; got {tuple(sin.shape)} and {tuple(cos.shape)}")
+    sin, cos = _rope_tables(qkv, rope, head_dim, "qkv_rope")
     return _head_norm_forward(qkv, None, None, None, sin, cos, int(n_q), int(n_kv), int(head_dim), 1e-5, False)[:3]
 
 
@@ -1834,17 +1836,20 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
         if not agree(lambda: torch.cat([x + o * 0.37, y + o], -1), lambda: stream_add(x, y, o, scale=0.37),
                      leaves + [o], (2 * d,)):
             bad.append(dict(stream_add=True, stacked=stacked))
-    for affine, (n_q, n_kv), strided, rope in itertools.product([True, False], [(3, 3), (4, 2)], [False, True],
-                                                               [False, True]):
-        hd = 8
+    hd = 8
+    angles = torch.arange(rows[-1], dtype=torch.float64)[:, None] * 0.7 ** torch.arange(hd // 2)
+    tables = tuple(f(torch.cat([angles, angles], -1)).float().to(device) for f in (torch.sin, torch.cos))
+
+    def heads(n_q, n_kv, strided):  # (leaf, qkv): strided, rows read in place, width + 5 apart
         width = (n_q + 2 * n_kv) * hd
         base = randn(*rows, width + 5 if strided else width)
-        qkv = base[..., 2:2 + width] if strided else base  # strided: rows read in place, width + 5 apart
+        return base, (base[..., 2:2 + width] if strided else base)
+
+    for affine, (n_q, n_kv), strided, rope in itertools.product([True, False], [(3, 3), (4, 2)], [False, True],
+                                                               [False, True]):
+        base, qkv = heads(n_q, n_kv, strided)
         ws = [(1 + 0.3 * randn(hd, grad=False)).requires_grad_() if affine else None for _ in range(3)]
-        angles = torch.arange(rows[-1], dtype=torch.float64)[:, None] * 0.7 ** torch.arange(hd // 2)
-        kw = dict(n_q=n_q, n_kv=n_kv, head_dim=hd,
-                  rope=tuple(f(torch.cat([angles, angles], -1)).float().to(device) for f in (torch.sin, torch.cos))
-                  if rope else None)
+        kw = dict(n_q=n_q, n_kv=n_kv, head_dim=hd, rope=tables if rope else None)
         case = dict(head_norm=True, affine=affine, n_q=n_q, n_kv=n_kv, strided=strided, rope=rope)
         if select is not None and not select(case):
             continue
@@ -1853,13 +1858,8 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
                      [base] + [w for w in ws if w is not None], (n_q * hd, n_kv * hd, n_kv * hd)):
             bad.append(case)
     for (n_q, n_kv), strided in itertools.product([(3, 3), (4, 2)], [False, True]):
-        hd = 8
-        width = (n_q + 2 * n_kv) * hd
-        base = randn(*rows, width + 5 if strided else width)
-        qkv = base[..., 2:2 + width] if strided else base
-        angles = torch.arange(rows[-1], dtype=torch.float64)[:, None] * 0.7 ** torch.arange(hd // 2)
-        rope = tuple(f(torch.cat([angles, angles], -1)).float().to(device) for f in (torch.sin, torch.cos))
-        kw = dict(n_q=n_q, n_kv=n_kv, head_dim=hd, rope=rope)
+        base, qkv = heads(n_q, n_kv, strided)
+        kw = dict(n_q=n_q, n_kv=n_kv, head_dim=hd, rope=tables)
         case = dict(qkv_rope=True, n_q=n_q, n_kv=n_kv, strided=strided)
         if select is not None and not select(case):
             continue

@@ -117,6 +117,8 @@ def test_added_variants_train_through_olmos_trainer(tmp_path, strategy, model_ty
     assert sorted(curve) == list(range(1, 13)) and curve[12] < curve[1] - 0.3, curve
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["status"] == "finished" and record["model_type"] == model_type
+    if extra:  # the flag reached the model OLMo's trainer built and saved
+        assert "fused_streams: true" in (tmp_path / "run" / "config.yaml").read_text()
 
 
 @pytest.mark.slow
