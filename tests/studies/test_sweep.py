@@ -158,6 +158,16 @@ def test_the_replication_plan_reruns_every_judged_configuration_with_seeds_the_s
     shape = {cell: tuple((k, v) for k, v in cell.knobs if k in ("n_layers", "d_model")) for cell in plan.cells}
     assert set(shape.values()) == {shape[c] for c in plan.cells if c.model_type == "pre"}, shape
     assert Path(plan.results).resolve() != (study / "results").resolve()
+    # its committed records (if any yet) are the plan's cells, each with its record and compressed metrics, and
+    # none reuses a seed of the study's records of its configuration
+    replicated = Path(plan.results)
+    replicated = replicated if replicated.is_absolute() else ROOT / replicated
+    names = {c.name: c for c in plan.cells}
+    for folder in (replicated.iterdir() if replicated.is_dir() else ()):
+        assert folder.name in names, folder.name
+        assert (folder / "run.json").is_file() and (folder / "metrics.jsonl.gz").is_file(), folder.name
+        record = json.loads((folder / "run.json").read_text())
+        assert record["seed"] == names[folder.name].seed and record["seed"] >= 4, folder.name
 
 
 @pytest.mark.slow
