@@ -81,7 +81,27 @@ def main(argv=None) -> int:
     parser.add_argument("--recompute-cost", action="store_true",
                         help="instead of the table: eager step time with recompute on and off, interleaved in one "
                         "process, as ratios to pre")
+    parser.add_argument("--cost-table", nargs="+", metavar="JSON",
+                        help="instead of counting: one table of step time against pre from --cost-model JSON files "
+                        "(every mode and fused flag they hold, H100 and A100-80GB), the first file winning where "
+                        "two hold the same figure")
     args = parser.parse_args(argv)
+    if args.cost_table:
+        import json
+
+        from siamesenorm.perf import costmodel
+
+        results = []
+        for path in args.cost_table:
+            try:
+                result = json.loads(Path(path).read_text())
+                result["modes"], result["rows"]  # noqa: B018 (a file of another kind: refused below)
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                print(f"error: {path}: not a --cost-model JSON file ({type(e).__name__}: {e})", file=sys.stderr)
+                return 2
+            results.append(result)
+        print(costmodel.combined_markdown(results))
+        return 0
     types = list(MODEL_TYPES) if args.model_types == ["all"] else args.model_types
     unknown = [t for t in types if t not in MODEL_TYPES]
     if unknown:

@@ -38,7 +38,7 @@ import contextlib
 import dataclasses
 import functools
 from dataclasses import dataclass, field
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -378,6 +378,34 @@ def to_markdown(result: Dict, mode: str = "eager") -> str:
         layer, step = total(r["layer"]), total(r["step"])
         lines.append(f"| {mt} | {layer['matmul_flops'] / 1e12:.2f} | {layer['bytes'] / 1e9:.1f} | {layer['kernels']} | "
                      f"{step['bytes'] / 1e9:.0f} | " + " | ".join(f"{r['time_ratio'][d]:.3f}" for d in devices) + " |")
+    return "\n".join(lines)
+
+
+def combined_markdown(results: List[Dict], devices: Sequence[str] = ("h100-80gb", "a100-80gb")) -> str:
+    """One table of step time against pre from several ``table`` results (the JSON files of ``--cost-model``): a
+    column per mode (eager, compiled), fused flag and device, each against the ``pre`` of its own result, mode and
+    flag; where two results hold the same column for a MODEL_TYPE, the first given wins. Rows in the order first
+    seen; an empty cell where no result counted that MODEL_TYPE so."""
+    columns: List[Tuple[str, bool]] = []
+    cells: Dict[Tuple[str, str, bool], Dict[str, float]] = {}
+    order: List[str] = []
+    for result in results:
+        fused = bool(result.get("fused"))
+        for mode in result["modes"]:
+            if (mode, fused) not in columns:
+                columns.append((mode, fused))
+            for mt, by_mode in result["rows"].items():
+                if mt not in order:
+                    order.append(mt)
+                if mode in by_mode:
+                    cells.setdefault((mt, mode, fused), by_mode[mode]["time_ratio"])
+    columns.sort(key=lambda c: (c[1], c[0] != "eager"))
+    names = [f"{mode}{' + fused' if fused else ''}, {d}" for mode, fused in columns for d in devices]
+    lines = ["| MODEL_TYPE | " + " | ".join(names) + " |", "| --- |" + " ---: |" * len(names)]
+    for mt in order:
+        row = [f"{cells[(mt, mode, fused)][d]:.3f}" if (mt, mode, fused) in cells else ""
+               for mode, fused in columns for d in devices]
+        lines.append(f"| {mt} | " + " | ".join(row) + " |")
     return "\n".join(lines)
 
 

@@ -237,3 +237,29 @@ def test_bytes_above_pre_are_the_layer_difference_split_by_op():
     assert {r["op"] for r in result["rows"]["hc"]["eager"]["above_pre"]["ops"]} & {"mm", "bmm"}  # its coefficients
     text = costmodel.above_pre_markdown(result)
     assert "| hybrid_pre |" in text and "| pre |" not in text
+
+
+def test_the_combined_table_puts_each_mode_and_flag_in_its_own_columns_first_file_winning(tmp_path):
+    """``--cost-table``: one row a MODEL_TYPE, a column per (mode, fused flag, device) the files hold; where two
+    files hold the same figure the first wins; a MODEL_TYPE a file did not count gets an empty cell; a file that
+    is not a cost-model JSON is refused in one line."""
+    from siamesenorm.cli.benchmark import main
+
+    def ratios(h100):
+        return {"time_ratio": {"h100-80gb": h100, "a100-80gb": h100 / 2}}
+
+    unfused = {"fused": False, "modes": ["eager", "compiled"],
+               "rows": {"pre": {"eager": ratios(1.0), "compiled": ratios(1.0)},
+                        "keel": {"eager": ratios(1.5), "compiled": ratios(1.25)}}}
+    fused = {"fused": True, "modes": ["eager"], "rows": {"pre": {"eager": ratios(1.0)}, "hc": {"eager": ratios(1.125)}}}
+    fused_again = {"fused": True, "modes": ["eager"], "rows": {"hc": {"eager": ratios(9.0)}}}
+    lines = costmodel.combined_markdown([unfused, fused, fused_again]).splitlines()
+    assert lines[0] == ("| MODEL_TYPE | eager, h100-80gb | eager, a100-80gb | compiled, h100-80gb | compiled, a100-80gb "
+                        "| eager + fused, h100-80gb | eager + fused, a100-80gb |")
+    rows = {line.split(" | ")[0][2:]: line for line in lines[2:]}
+    assert list(rows) == ["pre", "keel", "hc"]
+    assert rows["keel"] == "| keel | 1.500 | 0.750 | 1.250 | 0.625 |  |  |"
+    assert rows["hc"] == "| hc |  |  |  |  | 1.125 | 0.562 |"  # the first file's figure, not 9.0
+    bad = tmp_path / "notes.json"
+    bad.write_text('{"rows": {}}')
+    assert main(["--cost-table", str(bad)]) == 2
