@@ -155,7 +155,8 @@ def run_check(s: CheckSettings, progress=lambda m: print(m, file=sys.stderr, flu
             start = time.time()
             seen: list = []
             bad = fused.check(device, d=d, rows=tuple(rows), seen=seen,
-                              **({"dtype": torch.bfloat16, "tol": 3e-2} if bf16 else {}))
+                              **({"dtype": torch.bfloat16, "tol": 3e-2} if bf16 else
+                                 {"tol": fused.AT_SIZE_FP64_TOL} if d >= 1024 else {}))
             entry = {"device": device, "kernels": "triton" if fused.available(torch.zeros(1, device=device))
                      else "torch", "mismatches": len(bad), "combinations": len(seen), "seconds": time.time() - start,
                      "d": d, "rows": list(rows), "dtype": "bf16" if bf16 else "fp64"}
