@@ -7,12 +7,6 @@ blocks eager; this says how much of the change a compiled run sees.
     python results/cost-model/last_block_compiled.py      # about 4 minutes on a 2-core CPU; output: last_block_compiled.txt
 """
 
-import dataclasses
-
-import torch
-import torch._dynamo
-
-from siamesenorm.models.build import build_model
 from siamesenorm.perf import costmodel
 from siamesenorm.perf.benchmark import BenchSettings, model_config
 from siamesenorm.variants import _base
@@ -31,22 +25,8 @@ def old_end(self, xs, ys, out):
 
 def last_block_cost(model_type: str, tokens: int):
     """(bytes, kernels) of the last block of a 3-layer model compiled alone, forward + backward, at ``tokens``."""
-    cfg = dataclasses.replace(CONFIG, n_layers=3, init_device="cpu", max_sequence_length=tokens)
-    block = build_model(cfg, model_type, init_params=False).transformer.blocks[2]
-    with torch.no_grad():
-        for param in block.parameters():
-            param.data = torch.randn(param.shape, dtype=torch.bfloat16) * 0.02 + (1 if param.ndim == 1 else 0)
-    torch._dynamo.reset()
-    block.compile(fullgraph=True, dynamic=False)
-    x = torch.randn(1, tokens, cfg.d_model * getattr(block, "n_streams", 1), dtype=torch.bfloat16,
-                    requires_grad=True)
-    graphs: list = []
-    with costmodel._recording_inductor_graphs(graphs):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = block(x)[0]
-        out.backward(torch.randn_like(out))
-    torch._dynamo.reset()
-    return sum(c.bytes for _, c in graphs), sum(c.kernels for _, c in graphs)
+    costs = costmodel._compiled_middle_block(CONFIG, model_type, tokens, index=2).values()
+    return sum(c.bytes for c in costs), sum(c.kernels for c in costs)
 
 
 def main() -> None:

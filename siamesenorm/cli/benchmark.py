@@ -95,9 +95,12 @@ def main(argv=None) -> int:
         for path in args.cost_table:
             try:
                 result = json.loads(Path(path).read_text())
-                result["modes"], result["rows"]  # noqa: B018 (a file of another kind: refused below)
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                print(f"error: {path}: not a --cost-model JSON file ({type(e).__name__}: {e})", file=sys.stderr)
+            except (OSError, ValueError) as e:
+                result, why = None, f"{type(e).__name__}: {e}"
+            else:
+                why = "no modes and rows in it"
+            if not (isinstance(result, dict) and {"modes", "rows"} <= result.keys()):
+                print(f"error: {path}: not a --cost-model JSON file ({why})", file=sys.stderr)
                 return 2
             results.append(result)
         print(costmodel.combined_markdown(results))

@@ -467,15 +467,15 @@ def _recording_inductor_graphs(graphs: list):
         GraphLowering.codegen = original
 
 
-def _compiled_middle_block(model_cfg, model_type: str, tokens: int) -> Dict[str, Cost]:
+def _compiled_middle_block(model_cfg, model_type: str, tokens: int, index: int = 1) -> Dict[str, Cost]:
     """{"forward", "backward"} Cost of one middle block (layer 1 of 3: the first block widens the embedding into the
-    streams and the last fuses them) compiled alone by inductor, as ``compile:`` compiles each block, and run forward
-    and backward on one sequence of ``tokens`` tokens at the recipe's width, bf16 parameters under CPU autocast to
-    bf16 (the parameters' values do not matter: only the graphs are read)."""
+    streams and the last fuses them; ``index`` 0 or 2 for those) compiled alone by inductor, as ``compile:`` compiles
+    each block, and run forward and backward on one sequence of ``tokens`` tokens at the recipe's width, bf16
+    parameters under CPU autocast to bf16 (the parameters' values do not matter: only the graphs are read)."""
     import torch._dynamo
 
     cfg = dataclasses.replace(model_cfg, n_layers=3, init_device="cpu", max_sequence_length=max(tokens, 1))
-    block = build_model(cfg, model_type, init_params=False).transformer.blocks[1]
+    block = build_model(cfg, model_type, init_params=False).transformer.blocks[index]
     with torch.no_grad():
         for param in block.parameters():
             param.data = torch.randn(param.shape, dtype=torch.bfloat16) * 0.02 + (1 if param.ndim == 1 else 0)
