@@ -441,6 +441,15 @@ class StackedStreams:
         parts = self.contributions(streams)
         return sum(parts[1:], parts[0])
 
+    def finish_stacked(self, h: torch.Tensor) -> torch.Tensor:
+        """``finish`` for streams that are already one tensor h (B, T, n, d) (hc's and mhc's connections): a middle
+        block returns h's view (B, T, n * d), the same values as the cat of its streams without the copy (the cat
+        read and wrote every stream once forward and its backward stacked the gradients again: 4 (B, T, d) passes a
+        layer at n = 2, 8 at n = 4, each way); the last block fuses them as ``finish`` does."""
+        if self.is_last:
+            return self.finish(list(h.unbind(-2)))
+        return h.flatten(-2)
+
     def skip(self, x: torch.Tensor) -> torch.Tensor:
         """This block with its sublayers removed (the depth probe): the streams pass through unchanged, widened
         where this block widens the state and fused where it fuses."""

@@ -481,7 +481,7 @@ class ConnectedStreams(CoreTopologyBlock):
                                        (ff_conn, mlp, self.feed_forward_norm)):
             inp, carried, weights = conn.width(h)
             h = conn.depth(h, carried, weights, branch(pre_norm(inp)))
-        return self.finish(list(h.unbind(-2)))
+        return self.finish_stacked(h)
 
 
 class HyperConnections(ConnectedStreams):

@@ -93,10 +93,13 @@ class Cost:
     matmul_excess_s: Dict[str, float] = field(default_factory=lambda: {d: 0.0 for d in DEVICES})
     by_op: Dict[str, list] = field(default_factory=dict)  # op name -> [kernels, bytes, flops]
     excess_by_op: Dict[str, Dict[str, float]] = field(default_factory=dict)  # product name -> device -> seconds
+    kernel_list: List[Tuple[str, int]] = field(default_factory=list)  # (label, bytes) of each kernel, in order
 
-    def add(self, name: str, flops: int, nbytes: int, product: bool = False) -> None:
+    def add(self, name: str, flops: int, nbytes: int, product: bool = False, label: Optional[str] = None) -> None:
         """One kernel; ``product``: a matrix product, charged by the roofline (fused attention keeps the sum of its
-        FLOP time and byte time, as before: compute-bound at the recipes' sequence lengths, its bytes a small term)."""
+        FLOP time and byte time, as before: compute-bound at the recipes' sequence lengths, its bytes a small term).
+        ``label``: what ``kernel_list`` calls it (default ``name``; an inductor kernel, the ops fused into it)."""
+        self.kernel_list.append((label or name, nbytes))
         self.matmul_flops += flops
         self.bytes += nbytes
         self.kernels += 1
@@ -436,8 +439,21 @@ def _scheduled_cost(nodes) -> Cost:
                 continue
             cost.add(name, 0, node.get_read_write_buffers_sizes())
         else:
-            cost.add("fused", 0, node.get_read_write_buffers_sizes())
+            cost.add("fused", 0, node.get_read_write_buffers_sizes(), label=_fused_label(node))
     return cost
+
+
+def _fused_label(node) -> str:
+    """An inductor kernel named by the ops fused into it: "fused(add, mean, mul, ...)" (aten's and our ops' short
+    names, from the FX nodes each scheduler node was lowered from)."""
+    names = set()
+    for part in node.get_nodes():
+        for origin in getattr(part.node, "origins", None) or ():
+            target = str(getattr(origin, "target", ""))
+            names.add(target.split(".")[-2] if target.endswith((".default", ".Tensor", ".Scalar", ".dim", ".int",
+                                                                     ".dim_IntList", ".Tensor_Scalar")) else target)
+    names.discard("")
+    return "fused(" + ", ".join(sorted(names)) + ")"
 
 
 @contextlib.contextmanager

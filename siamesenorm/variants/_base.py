@@ -292,7 +292,7 @@ class ConnectedStreamsBlock(TopologyBlock):
             inp, carried, weights = self.cheap(functools.partial(_width_then_norm, conn, self.branch_norm(pre_norm)),
                                                h)
             h = conn.depth(h, carried, weights, branch(inp))
-        return self.finish(list(h.unbind(-2)))  # the last block fuses the streams (contributions)
+        return self.finish_stacked(h)  # the last block fuses the streams (contributions)
 
     def branch_norm(self, norm: nn.Module) -> Callable[[torch.Tensor], torch.Tensor]:
         """A branch's Pre-Norm: OLMo's norm, or with ``model.fused_streams`` the same RMSNorm as one op each way

@@ -236,6 +236,31 @@ def test_the_last_block_fuses_the_streams_in_one_op(model_type):
         assert ops[phase].get("pow", [0])[0] == base_ops[phase].get("pow", [0])[0], phase
 
 
+@pytest.mark.parametrize("fused_streams", [False, True])
+@pytest.mark.parametrize("model_type", ["hc", "mhc"])
+def test_the_connected_streams_leave_a_middle_block_as_a_view_not_a_copy(model_type, fused_streams):
+    """hc's and mhc's connections carry the streams as one tensor (B, T, n, d); a middle block returns its view
+    (B, T, n * d). It used to cat the unbound streams, a copy of the whole state forward and a stack of its gradients
+    backward (4 (B, T, d) passes a layer at n = 2, 8 at n = 4, each way): no layer copies its streams now."""
+    cfg = tiny_config(layer_norm_with_affine=True, fused_streams=fused_streams)
+    n = 2 if model_type == "hc" else 4
+    state = 4 * 64 * cfg.d_model * n * 4  # the streams' state, fp32: one read or write of it
+
+    def copied(mt, phase):  # bytes of cat and stack (unfused RoPE's cats are pre's too)
+        step = costmodel.step_cost(cfg, mt, microbatch=4, seq_len=64, autocast=None)
+        return sum(step["by_op"][phase].get(op, [0, 0])[1] for op in ("cat", "stack"))
+
+    # forward: only the coefficient weights' small cat (0.09 states here); backward: the last block's stack of the gradients of the
+    # streams it sums (read and write the state once). The copies made 4 states forward and 6 backward here.
+    for phase, allowed in (("forward", 0.25), ("backward", 2.25)):
+        above = copied(model_type, phase) - copied("pre", phase)
+        assert above < allowed * state, (phase, above / state)
+    block = build_model(cfg, model_type).transformer.blocks[1]
+    h = torch.randn(2, 5, n, cfg.d_model)
+    out = block.finish_stacked(h)
+    assert out.data_ptr() == h.data_ptr() and torch.equal(out, torch.cat(h.unbind(-2), dim=-1))
+
+
 @pytest.mark.parametrize("model_type", ["pre", "post_pre", "hybrid_pre"])
 def test_the_stream_ops_backward_reads_no_materialised_zero_gradient(model_type):
     """Outputs nothing downstream uses (X1, kept for the backward; Y1 or XA where a stream passes through) get no

@@ -165,13 +165,19 @@ def test_compiled_blocks_move_fewer_bytes_in_fewer_kernels_than_eager(model_type
 @pytest.mark.slow
 def test_compiled_fused_hc_keeps_its_stream_mix_op_and_mhc_gives_it_to_inductor(_fresh_dynamo):
     """``MIX_IN_OP_COMPILED``: under torch.compile hc's fused connection still mixes in ``stream_mix`` (one op each
-    way, extern to inductor), mhc's gives the mix to inductor's own kernels; both still project in ``rms_project``."""
+    way, extern to inductor), mhc's gives the mix to inductor's own kernels; both still project in ``rms_project``.
+    The kernel listing (``Cost.kernel_list``, results/cost-model/connection_kernels_compiled.py) is every kernel the
+    totals count, inductor's named by the ops fused into them."""
     ops = {}
     for model_type in ("hc", "mhc"):
         cfg = tiny_config(n_layers=3, d_model=64, n_heads=4, weight_tying=False, fused_streams=True,
                           mhc_sinkhorn_iterations=4)
         block = costmodel._compiled_middle_block(cfg, model_type, 32)
         ops[model_type] = {phase: set(cost.by_op) for phase, cost in block.items()}
+        for cost in block.values():
+            assert len(cost.kernel_list) == cost.kernels and sum(b for _, b in cost.kernel_list) == cost.bytes
+            fused_labels = [label for label, _ in cost.kernel_list if label.startswith("fused(")]
+            assert len(fused_labels) == cost.by_op["fused"][0] and all(label != "fused()" for label in fused_labels)
     assert {"stream_mix_forward"} <= ops["hc"]["forward"] and {"stream_mix_backward"} <= ops["hc"]["backward"], ops
     assert not any(op.startswith("stream_mix") for phase in ops["mhc"].values() for op in phase), ops
     assert all("project_forward" in ops[m]["forward"] for m in ops), ops
