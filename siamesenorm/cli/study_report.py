@@ -7,6 +7,9 @@
   python scripts/study_report.py studies/cpu-2026-field/results --standard --with studies/cpu-lr-grid/results studies/cpu-depth-dynamics/results --output studies/cpu-2026-field/figures
   (the reporting standard over the folders together: best rate, seeds, Welch's t against Pre-Norm, Holm's
   correction, learning-rate tolerance; standard.json and standard.md; siamesenorm/studies/standard.py)
+  ... --standard --against hybrid_pre ...
+  (the same standard with SiameseNorm in Pre-Norm's place: every other configuration, Pre-Norm included, against
+  hybrid_pre at its shape; standard-vs-hybrid_pre.json and .md)
 """
 
 import argparse
@@ -28,6 +31,8 @@ def main(argv=None) -> int:
                              "(siamesenorm/studies/standard.py): standard.json and standard.md")
     parser.add_argument("--with", dest="also", nargs="*", default=[], metavar="RESULTS",
                         help="with --standard: more results folders, pooled with the first")
+    parser.add_argument("--against", default="pre", metavar="MODEL_TYPE",
+                        help="with --standard: the MODEL_TYPE every configuration is compared with (default pre)")
     args = parser.parse_args(argv)
     for folder in [args.results] + args.also:
         if not Path(folder).is_dir():
@@ -45,14 +50,19 @@ def _report(args) -> int:
     if args.standard:
         from siamesenorm.studies import standard
 
-        summary = standard.standard_report([args.results] + args.also)
+        summary = standard.standard_report([args.results] + args.also, reference=args.against)
+        if args.against not in {standard._parts(key)[0] for key in summary["configurations"]}:
+            raise ValueError(f"--against {args.against}: no cell of that MODEL_TYPE in the results; name one the "
+                             f"sweep ran ({', '.join(sorted({standard._parts(k)[0] for k in summary['configurations']}))})")
+        stem = "standard" if args.against == "pre" else f"standard-vs-{args.against}"
         out.mkdir(parents=True, exist_ok=True)
-        (out / "standard.json").write_text(json.dumps(summary, indent=1) + "\n")
-        (out / "standard.md").write_text(standard.to_markdown(summary))
-        print(f"wrote {standard.figure(summary, out, args.format)}")
+        (out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
+        (out / f"{stem}.md").write_text(standard.to_markdown(summary))
+        if args.against == "pre":
+            print(f"wrote {standard.figure(summary, out, args.format)}")
         judged = sum(not r["verdict"].startswith("not judged") for r in summary["comparisons"])
-        print(f"wrote {out / 'standard.json'} and {out / 'standard.md'} ({len(summary['comparisons'])} "
-              f"comparisons with Pre-Norm, {judged} judged)")
+        print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')} ({len(summary['comparisons'])} "
+              f"comparisons with {'Pre-Norm' if args.against == 'pre' else args.against}, {judged} judged)")
         return 0
     if args.v2:
         from siamesenorm.studies import depth_and_dynamics

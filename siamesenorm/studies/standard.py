@@ -123,12 +123,12 @@ def _parts(key: str) -> Tuple[str, List[str]]:
     return method, parts
 
 
-def baseline_key(key: str, variant_knobs: Iterable[str]) -> str:
-    """The Pre-Norm configuration a configuration is compared against: ``pre`` with its shape and schedule parts
-    (every part that is not one of its variant knobs)."""
+def baseline_key(key: str, variant_knobs: Iterable[str], reference: str = "pre") -> str:
+    """The configuration a configuration is compared against: ``reference`` (Pre-Norm unless asked otherwise) with
+    its shape and schedule parts (every part that is not one of its variant knobs)."""
     _, parts = _parts(key)
     kept = [p for p in parts if p.split("=", 1)[0] not in set(variant_knobs)]
-    return "-".join(["pre"] + kept)
+    return "-".join([reference] + kept)
 
 
 def _collect(folders: Sequence[str | Path]) -> Tuple[Dict[str, Dict[float, Dict[int, Dict]]], List[Dict], Dict]:
@@ -162,9 +162,12 @@ def _rate_summary(seeds: Dict[int, Dict]) -> Dict:
             "loss_spikes": statistics.mean(s["loss_spikes"] for s in seeds.values())}
 
 
-def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_seeds: int = MIN_SEEDS) -> Dict:
+def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_seeds: int = MIN_SEEDS,
+                    reference: str = "pre") -> Dict:
     """Every configuration's best rate, seeds, noise and tolerance, and every comparison with Pre-Norm under the
-    standard (module docstring)."""
+    standard (module docstring). ``reference``: another MODEL_TYPE to compare every configuration with instead, by
+    the same rules (e.g. ``hybrid_pre``: does SiameseNorm's lead hold against each other design, Pre-Norm included;
+    a configuration of that MODEL_TYPE with knobs is compared with its plain form at the same shape)."""
     grid, duplicates, knobs_of = _collect(folders)
     configurations = {}
     for key, rates in sorted(grid.items()):
@@ -181,7 +184,7 @@ def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_see
         configurations[key] = {"rates": {f"{lr:g}": s for lr, s in summaries.items()},
                                "best_lr": best, "best": summaries.get(best), "tolerance": tolerance,
                                "chosen_on_seeds": sorted(shared) if shared else "all",
-                               "baseline": baseline_key(key, knobs_of.get(key, ()))}
+                               "baseline": baseline_key(key, knobs_of.get(key, ()), reference)}
     judged = [c["best"]["sd"] for c in configurations.values()
               if c["best"] and len(c["best"]["seeds"]) >= min_seeds and c["best"]["sd"] is not None]
     floor = math.sqrt(statistics.mean(sd * sd for sd in judged)) if judged else None
@@ -189,14 +192,14 @@ def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_see
     comparisons = []
     for key, conf in configurations.items():
         base = configurations.get(conf["baseline"])
-        if key == conf["baseline"] or not key or _parts(key)[0] == "pre":
+        if key == conf["baseline"] or not key or (reference == "pre" and _parts(key)[0] == "pre"):
             continue
         row = {"configuration": key, "baseline": conf["baseline"], "lr": conf["best_lr"],
                "baseline_lr": base["best_lr"] if base else None}
         if base is None or conf["best"] is None or base["best"] is None:
-            row["verdict"] = "not judged: " + ("no Pre-Norm cells at this shape" if base is None else
+            row["verdict"] = "not judged: " + (f"no {reference} cells at this shape" if base is None else
                                                "every rate diverged" if conf["best"] is None else
-                                               "every Pre-Norm rate diverged")
+                                               f"every {reference} rate diverged")
         else:
             a, b = conf["best"], base["best"]
             row.update(n=len(a["seeds"]), baseline_n=len(b["seeds"]), mean=a["mean"], baseline_mean=b["mean"],
@@ -213,7 +216,8 @@ def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_see
         row["p_holm"] = adjusted
         better = "lower" if row["difference"] < 0 else "higher"
         row["verdict"] = (f"beyond the noise floor ({better} PPL)" if adjusted < alpha else "within the noise floor")
-    return {"folders": [str(f) for f in folders], "alpha": alpha, "min_seeds": min_seeds, "comparisons_tested":
+    return {"folders": [str(f) for f in folders], "reference": reference, "alpha": alpha, "min_seeds": min_seeds,
+            "comparisons_tested":
             len(tested), "noise_floor_pooled_sd": floor, "configurations": configurations,
             "comparisons": comparisons, "duplicates": duplicates}
 
@@ -233,12 +237,14 @@ def _p(value: Optional[float]) -> str:
 
 def to_markdown(report: Dict) -> str:
     """The verdict table and the learning-rate tolerance table."""
-    lines = [f"Verdicts: Welch's t on the seeds' validation PPL at each configuration's best rate against Pre-Norm at "
+    reference = report.get("reference", "pre")
+    against = "Pre-Norm" if reference == "pre" else reference
+    lines = [f"Verdicts: Welch's t on the seeds' validation PPL at each configuration's best rate against {against} at "
              f"its own, Holm-corrected over the {report['comparisons_tested']} comparisons tested, alpha "
              f"{report['alpha']}; fewer than {report['min_seeds']} seeds a side: not judged. Seed noise floor "
              f"(pooled sd at the best rates, configurations with {report['min_seeds']}+ seeds): "
              f"{_num(report['noise_floor_pooled_sd'])} PPL.", "",
-             "| configuration | best lr | seeds | PPL mean ± sd | Pre-Norm (lr, seeds, PPL) | difference | t (df) | p | "
+             f"| configuration | best lr | seeds | PPL mean ± sd | {against} (lr, seeds, PPL) | difference | t (df) | p | "
              "p Holm | verdict |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     confs = report["configurations"]
     for row in report["comparisons"]:

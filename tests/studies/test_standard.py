@@ -103,3 +103,36 @@ def test_the_best_rate_is_chosen_on_the_seeds_every_rate_ran(tmp_path):
     assert keel["best_lr"] == 0.03 and keel["chosen_on_seeds"] == [1]
     row = next(r for r in report["comparisons"] if r["configuration"] == "keel")
     assert row["n"] == 3 and "p_holm" in row
+
+
+def test_every_configuration_can_be_judged_against_another_reference(tmp_path):
+    """``reference`` / ``--against``: the same standard with another MODEL_TYPE in Pre-Norm's place (does a lead
+    hold against each other design?). Pre-Norm is then one of the compared configurations, the reference's own
+    knob forms are compared with its plain form at their shape, a shape the reference never ran is not judged,
+    and a MODEL_TYPE no cell ran is refused in one line."""
+    for seed, ppl in ((1, 40.1), (2, 39.8), (3, 40.3)):
+        _cell(tmp_path, f"pre-lr0.01-s{seed}", ppl)
+        _cell(tmp_path, f"good-lr0.01-s{seed}", ppl - 3)
+        _cell(tmp_path, f"rival-lr0.01-s{seed}", ppl - 3 + 0.1 * (-1) ** seed)
+        _cell(tmp_path, f"good-mix=on-lr0.01-s{seed}", ppl - 2.9, knobs={"mix": "on"})
+        _cell(tmp_path, f"pre-d_model=32-n_layers=8-lr0.01-s{seed}", ppl + 1)
+    report = standard_report([tmp_path], reference="good")
+    rows = {r["configuration"]: r for r in report["comparisons"]}
+    assert set(rows) == {"pre", "rival", "good-mix=on", "pre-d_model=32-n_layers=8"}
+    assert rows["pre"]["baseline"] == "good" and rows["pre"]["difference"] == pytest.approx(3.0)
+    assert rows["pre"]["verdict"] == "beyond the noise floor (higher PPL)"
+    assert rows["rival"]["verdict"] == "within the noise floor"
+    assert rows["good-mix=on"]["baseline"] == "good"
+    assert rows["pre-d_model=32-n_layers=8"]["verdict"] == "not judged: no good cells at this shape"
+    assert report["comparisons_tested"] == 3
+    assert "against good at its own" in to_markdown(report) and "| good (lr, seeds, PPL) |" in to_markdown(report)
+    assert {r["configuration"] for r in standard_report([tmp_path])["comparisons"]} == {"good", "rival", "good-mix=on"}
+
+    out = tmp_path / "out"
+    script = [sys.executable, str(ROOT / "scripts" / "study_report.py"), str(tmp_path), "--standard", "--output", str(out)]
+    proc = subprocess.run(script + ["--against", "good"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "3 judged" in proc.stdout and (out / "standard-vs-good.md").read_text() == to_markdown(report)
+    assert not (out / "standard.md").exists()
+    proc = subprocess.run(script + ["--against", "keel"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--against keel: no cell" in proc.stderr
