@@ -51,9 +51,10 @@ def _report(args) -> int:
         from siamesenorm.studies import standard
 
         summary = standard.standard_report([args.results] + args.also, reference=args.against)
-        if args.against not in {standard._parts(key)[0] for key in summary["configurations"]}:
+        ran = sorted({standard.method_of(key) for key in summary["configurations"]})
+        if args.against not in ran:
             raise ValueError(f"--against {args.against}: no cell of that MODEL_TYPE in the results; name one the "
-                             f"sweep ran ({', '.join(sorted({standard._parts(k)[0] for k in summary['configurations']}))})")
+                             f"sweep ran ({', '.join(ran)})")
         stem = "standard" if args.against == "pre" else f"standard-vs-{args.against}"
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
@@ -62,7 +63,7 @@ def _report(args) -> int:
             print(f"wrote {standard.figure(summary, out, args.format)}")
         judged = sum(not r["verdict"].startswith("not judged") for r in summary["comparisons"])
         print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')} ({len(summary['comparisons'])} "
-              f"comparisons with {'Pre-Norm' if args.against == 'pre' else args.against}, {judged} judged)")
+              f"comparisons with {standard.display_name(args.against)}, {judged} judged)")
         return 0
     if args.v2:
         from siamesenorm.studies import depth_and_dynamics

@@ -35,7 +35,8 @@ from typing import Dict, Iterable, List, Optional, Sequence, Tuple
 from siamesenorm.analysis.figures import colour, method_label, pyplot, readable_log, save
 from siamesenorm.studies.lr_grid import load_cells
 
-__all__ = ["welch", "holm", "student_t_sf", "standard_report", "to_markdown", "figure", "ALPHA", "MIN_SEEDS"]
+__all__ = ["welch", "holm", "student_t_sf", "standard_report", "to_markdown", "figure", "method_of", "display_name",
+           "ALPHA", "MIN_SEEDS"]
 
 ALPHA = 0.05
 MIN_SEEDS = 3
@@ -123,6 +124,16 @@ def _parts(key: str) -> Tuple[str, List[str]]:
     return method, parts
 
 
+def method_of(key: str) -> str:
+    """The MODEL_TYPE of a configuration's key ("keel-d_model=128-n_layers=4" -> "keel")."""
+    return _parts(key)[0]
+
+
+def display_name(reference: str) -> str:
+    """How the report names the reference: Pre-Norm, or the MODEL_TYPE."""
+    return "Pre-Norm" if reference == "pre" else reference
+
+
 def baseline_key(key: str, variant_knobs: Iterable[str], reference: str = "pre") -> str:
     """The configuration a configuration is compared against: ``reference`` (Pre-Norm unless asked otherwise) with
     its shape and schedule parts (every part that is not one of its variant knobs)."""
@@ -192,14 +203,14 @@ def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_see
     comparisons = []
     for key, conf in configurations.items():
         base = configurations.get(conf["baseline"])
-        if key == conf["baseline"] or not key or (reference == "pre" and _parts(key)[0] == "pre"):
+        if key == conf["baseline"] or not key or (reference == "pre" and method_of(key) == "pre"):
             continue
         row = {"configuration": key, "baseline": conf["baseline"], "lr": conf["best_lr"],
                "baseline_lr": base["best_lr"] if base else None}
         if base is None or conf["best"] is None or base["best"] is None:
-            row["verdict"] = "not judged: " + (f"no {reference} cells at this shape" if base is None else
+            row["verdict"] = "not judged: " + (f"no {display_name(reference)} cells at this shape" if base is None else
                                                "every rate diverged" if conf["best"] is None else
-                                               f"every {reference} rate diverged")
+                                               f"every {display_name(reference)} rate diverged")
         else:
             a, b = conf["best"], base["best"]
             row.update(n=len(a["seeds"]), baseline_n=len(b["seeds"]), mean=a["mean"], baseline_mean=b["mean"],
@@ -217,8 +228,7 @@ def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_see
         better = "lower" if row["difference"] < 0 else "higher"
         row["verdict"] = (f"beyond the noise floor ({better} PPL)" if adjusted < alpha else "within the noise floor")
     return {"folders": [str(f) for f in folders], "reference": reference, "alpha": alpha, "min_seeds": min_seeds,
-            "comparisons_tested":
-            len(tested), "noise_floor_pooled_sd": floor, "configurations": configurations,
+            "comparisons_tested": len(tested), "noise_floor_pooled_sd": floor, "configurations": configurations,
             "comparisons": comparisons, "duplicates": duplicates}
 
 
@@ -237,8 +247,7 @@ def _p(value: Optional[float]) -> str:
 
 def to_markdown(report: Dict) -> str:
     """The verdict table and the learning-rate tolerance table."""
-    reference = report.get("reference", "pre")
-    against = "Pre-Norm" if reference == "pre" else reference
+    against = display_name(report.get("reference", "pre"))
     lines = [f"Verdicts: Welch's t on the seeds' validation PPL at each configuration's best rate against {against} at "
              f"its own, Holm-corrected over the {report['comparisons_tested']} comparisons tested, alpha "
              f"{report['alpha']}; fewer than {report['min_seeds']} seeds a side: not judged. Seed noise floor "
