@@ -17,8 +17,8 @@ from siamesenorm.perf.benchmark import BenchSettings, model_config
 
 CONFIG = model_config(BenchSettings(recipe="configs/OLMo-1B-2e-3.yaml", fused=True, seq=2048))
 TOKENS = 1024
-PRODUCTS = ("mm", "addmm", "bmm", "_scaled_dot_product_flash_attention_for_cpu",
-            "_scaled_dot_product_flash_attention_for_cpu_backward")
+PRODUCTS = costmodel._EXTERN_MATMULS + ("_scaled_dot_product_flash_attention_for_cpu",
+                                       "_scaled_dot_product_flash_attention_for_cpu_backward")
 
 
 def kernels(model_type: str):

@@ -246,14 +246,16 @@ def test_the_connected_streams_leave_a_middle_block_as_a_view_not_a_copy(model_t
     n = 2 if model_type == "hc" else 4
     state = 4 * 64 * cfg.d_model * n * 4  # the streams' state, fp32: one read or write of it
 
-    def copied(mt, phase):  # bytes of cat and stack (unfused RoPE's cats are pre's too)
+    def copied(mt):  # bytes of cat and stack each phase (unfused RoPE's cats are pre's too)
         step = costmodel.step_cost(cfg, mt, microbatch=4, seq_len=64, autocast=None)
-        return sum(step["by_op"][phase].get(op, [0, 0])[1] for op in ("cat", "stack"))
+        return {phase: sum(ops.get(op, [0, 0])[1] for op in ("cat", "stack")) for phase, ops in step["by_op"].items()}
+
+    mine, pre = copied(model_type), copied("pre")
 
     # forward: only the coefficient weights' small cat (0.09 states here); backward: the last block's stack of the gradients of the
     # streams it sums (read and write the state once). The copies made 4 states forward and 6 backward here.
     for phase, allowed in (("forward", 0.25), ("backward", 2.25)):
-        above = copied(model_type, phase) - copied("pre", phase)
+        above = mine[phase] - pre[phase]
         assert above < allowed * state, (phase, above / state)
     block = build_model(cfg, model_type).transformer.blocks[1]
     h = torch.randn(2, 5, n, cfg.d_model)
