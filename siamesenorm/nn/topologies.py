@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .fused import rms_project, stream_mix
+from .fused import hc_width, rms_project, stream_mix
 from .fused import sinkhorn as fused_sinkhorn
 from .fused import sinkhorn_reference as sinkhorn
 
@@ -642,6 +642,29 @@ class HyperConnection(_Connection):
                 self.dynamic_beta_fn.zero_()
                 self.dynamic_alpha_scale.fill_(self.scale_init)
                 self.dynamic_beta_scale.fill_(self.scale_init)
+
+    @property
+    def normalizes_input(self) -> bool:
+        """Whether ``width_normed`` gives the branch its normalised input in one op (fused, dynamic, mixing in the
+        op): then the caller's Pre-Norm is that op's."""
+        return self.fused and self.dynamic and self.mixes_in_op
+
+    def width_normed(self, h: torch.Tensor, in_weight: Optional[torch.Tensor], in_eps: float
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``width`` with the branch's Pre-Norm, an RMSNorm of weight ``in_weight`` (or none) and ``in_eps``, applied
+        to the branch input, as one op each way (siamesenorm/nn/fused.py ``hc_width``): the streams read once for the
+        coefficients' logits, the input and its norm; the normalised input written once, in h's dtype (the input
+        coefficients stay fp32, where ``width`` rounds them to h's dtype before the sum). Returns (normalised input,
+        m (..., n, n) fp32, B (..., n) fp32); ``normalizes_input`` says when it applies."""
+        weight, eps = getattr(self.norm, "weight", None), getattr(self.norm, "eps", None)
+        eps = torch.finfo(torch.float32).eps if eps is None else eps  # nn.RMSNorm's default
+        proj = torch.cat([self.dynamic_alpha_fn, self.dynamic_beta_fn[:, None]], dim=-1).float()  # (d, 1 + n + 1)
+        wp = proj if weight is None else weight.float()[:, None] * proj
+        logits, inp = hc_width(h, wp, self.static_alpha[:, 0], self.dynamic_alpha_scale, in_weight, eps=eps,
+                               in_eps=in_eps)
+        alpha = self.static_alpha[:, 1:] + self.dynamic_alpha_scale * torch.tanh(logits[..., 1:-1])
+        beta = self.static_beta + self.dynamic_beta_scale * torch.tanh(logits[..., -1])
+        return inp, alpha.transpose(-1, -2), beta
 
     def width(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h: (..., n, d) -> branch input (..., d), carried streams (..., n, d), B (..., n); in h's dtype.

@@ -288,9 +288,14 @@ class ConnectedStreamsBlock(TopologyBlock):
         h = self.stacked(x)
         attn_conn, ff_conn = (getattr(self, name) for name in self.connection_names)
         for conn, branch, pre_norm in ((attn_conn, attention, self.attn_norm), (ff_conn, self.mlp, self.ff_norm)):
-            # the width connection and the branch's Pre-Norm as one cheap part: backward keeps only h
-            inp, carried, weights = self.cheap(functools.partial(_width_then_norm, conn, self.branch_norm(pre_norm)),
-                                               h)
+            if self.fused_streams and getattr(conn, "normalizes_input", False):
+                # hc fused: the width connection with the branch's Pre-Norm is one op that keeps only h (and the
+                # coefficients' fp32 logits): nothing to recompute
+                inp, carried, weights = conn.width_normed(h, self.weight(pre_norm), self.config.layer_norm_eps)
+            else:
+                # the width connection and the branch's Pre-Norm as one cheap part: backward keeps only h
+                inp, carried, weights = self.cheap(
+                    functools.partial(_width_then_norm, conn, self.branch_norm(pre_norm)), h)
             h = conn.depth(h, carried, weights, branch(inp))
         return self.finish_stacked(h)  # the last block fuses the streams (contributions)
 

@@ -35,8 +35,8 @@ def test_torch_path_matches_autograd_of_the_reference():
     seen = []
     assert fused.check(seen=seen) == []
     # 256 two-stream + 32 one-stream + 6 with copy + 32 block_input + 2 stream_add + 16 head_norm + 4 qkv_rope + 8 sinkhorn
-    # + 6 mix + 12 pair_mix + 2 rms_project
-    assert len(seen) == 376
+    # + 6 mix + 12 pair_mix + 2 rms_project + 8 hc_width
+    assert len(seen) == 384
 
 
 def test_the_check_catches_a_wrong_head_norm_backward(monkeypatch):
@@ -76,7 +76,8 @@ def test_the_check_catches_a_wrong_pair_mix_backward(monkeypatch):
 
 def test_the_check_catches_a_wrong_project_backward(monkeypatch):
     """rms_project's backward without rstd's own gradient in dx (only the product's): both projection cases fail, and
-    with dW's partial sums halved (a split lost) both fail again; nothing else does either time."""
+    with dW's partial sums halved (a split lost) both fail again with hc_width's, which shares dW's kernel; nothing
+    else does either time."""
     original_dx, original_dw = fused._project_dx_impl, fused._project_dw_impl
     monkeypatch.setattr(fused, "_project_dx_impl",
                         lambda x, wp, logits, rstd, dlog: original_dx(x, wp, logits * 0, rstd, dlog))
@@ -84,7 +85,26 @@ def test_the_check_catches_a_wrong_project_backward(monkeypatch):
     assert fused.check() == cases
     monkeypatch.setattr(fused, "_project_dx_impl", original_dx)
     monkeypatch.setattr(fused, "_project_dw_impl", lambda *args: original_dw(*args) * 0.5)
-    assert fused.check() == cases
+    # hc_width's dW is the same kernel: its 8 cases fail with it
+    width_cases = [dict(width=True, n=n, win=w, strided=s) for n in (2, 4) for w in (True, False) for s in (False, True)]
+    assert fused.check() == cases + width_cases
+
+
+def test_the_check_catches_a_wrong_width_backward(monkeypatch):
+    """hc_width's backward without the input coefficients' gradient in the logits' (tanh's path dropped), and then
+    without the input norm's own term in d input: all 8 width cases fail each time, nothing else does."""
+    original = fused._width_grads_torch
+    width_cases = [dict(width=True, n=n, win=w, strided=s) for n in (2, 4) for w in (True, False) for s in (False, True)]
+
+    def no_tanh_path(h, wp, a_static, a_scale, *args):
+        return original(h, wp, a_static, a_scale * 0, *args)[:2] + original(h, wp, a_static, a_scale, *args)[2:]
+
+    monkeypatch.setattr(fused, "_width_grads_torch", no_tanh_path)
+    assert fused.check() == width_cases
+    monkeypatch.setattr(fused, "_width_grads_torch",
+                        lambda h, wp, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp:
+                        original(h, wp, a_static, a_scale, in_weight, logits, rstd, rin * 0 + rin.mean(), dlog, dinp))
+    assert fused.check() == width_cases
 
 
 def test_the_check_catches_a_wrong_backward(monkeypatch):
@@ -120,7 +140,7 @@ def test_triton_kernels_in_the_interpreter():
         # fp64 inputs to 2e-5 elementwise; bf16 inputs (as autocast gives them) to 3e-2 of each tensor's largest
         # value against the references computed in fp32 from the same inputs: the kernels write bf16 gradients
         small, big = out.strip().splitlines()[-2:]
-        assert small == f"{dtype} mismatches [] 376", out[-3000:]
+        assert small == f"{dtype} mismatches [] 384", out[-3000:]
         # then each op once with every part on at the recipes' width, where every code path runs: d = 2040 (a
         # 2048-wide row block with a partial tail, the stream mix's feature loop in 32 chunks of 64, the last partial;
         # the head norms at the recipes' head size, 128), 130 rows (the row-block backwards in 3 programs of 64, the
@@ -130,7 +150,7 @@ def test_triton_kernels_in_the_interpreter():
         # value: fp32 inside, the weights' gradients sum 130 rows of up to 8,160 features in another order than the
         # reference (measured up to 6e-5 at d 2048; a wrong kernel differs by far more: the monkeypatched checks
         # above). About 3 minutes a process in the interpreter on this machine.
-        assert big == f"{dtype} at size mismatches [] 16", out[-3000:]
+        assert big == f"{dtype} at size mismatches [] 17", out[-3000:]
 
 
 def _perturbed_pair(model_type, **extra):
@@ -149,10 +169,11 @@ def _perturbed_pair(model_type, **extra):
 #: fused ops per forward of the 3-layer tiny model: (stream_forward, head_norm_forward, sinkhorn_forward,
 #: stream_mix_forward, project_forward). pre: two per block; SiameseNorm: three (the end of the last block is the
 #: final fusion LN^out_X(X + O / c) + LN^out_Y(Y + O) as one op); every block one head_norm_forward (HybridNorm's norms with RoPE, or RoPE alone: ``qkv_rope``); hc and
-#: mhc: per connection (two a block) the branch's Pre-Norm as one stream op, one stream mix and the coefficients'
-#: projection as one op, and for mhc one Sinkhorn.
-FUSED_OPS = {"pre": (6, 3, 0, 0, 0), "hybrid_pre": (9, 3, 0, 0, 0), "post_pre": (9, 3, 0, 0, 0),
-             "hybrid": (0, 3, 0, 0, 0), "hybrid_star": (0, 3, 0, 0, 0), "mhc": (6, 3, 6, 6, 6), "hc": (6, 3, 0, 6, 6)}
+#: mhc: per connection (two a block) one stream mix; mhc the branch's Pre-Norm as one stream op, the coefficients'
+#: projection as one op and one Sinkhorn; hc the coefficients, the branch input and its Pre-Norm as one op (width_forward).
+FUSED_OPS = {"pre": (6, 3, 0, 0, 0, 0), "hybrid_pre": (9, 3, 0, 0, 0, 0), "post_pre": (9, 3, 0, 0, 0, 0),
+             "hybrid": (0, 3, 0, 0, 0, 0), "hybrid_star": (0, 3, 0, 0, 0, 0), "mhc": (6, 3, 6, 6, 6, 0),
+             "hc": (0, 3, 0, 6, 0, 6)}
 
 
 @pytest.mark.parametrize("model_type,extra", [
@@ -186,7 +207,7 @@ def test_fused_model_matches_unfused(model_type, extra):
         fused_model(ids)
     ran = tuple(counter.cost.by_op.get(op, [0])[0] for op in ("stream_forward", "head_norm_forward",
                                                                "sinkhorn_forward", "stream_mix_forward",
-                                                               "project_forward"))
+                                                               "project_forward", "width_forward"))
     assert ran == FUSED_OPS[model_type]
     # stream mixing: one pair_mix a mixed sublayer (block 0's attention has none: its streams are one embedding)
     assert counter.cost.by_op.get("pair_mix_forward", [0])[0] == (5 if "siamese_mixing" in extra else 0)
@@ -451,19 +472,21 @@ def test_the_check_catches_a_wrong_mix_backward(monkeypatch):
 
 
 def test_fused_hc_is_fewer_kernels_and_bytes():
-    """hc fused: one stream-mix op each way per connection, the dynamic projections' norm folded after the product;
-    a middle block moves fewer bytes each way and launches no more kernels forward (backward a few more: the
-    per-token rstd's small ops), and autograd keeps no more than the coefficients the op keeps (A, whose (n, 1 + n)
-    storage m is a view of, and B: n (n + 1) + n numbers a token and connection, fp32 here)."""
+    """hc fused: one width op (coefficients, branch input, its Pre-Norm) and one stream-mix op each way per
+    connection; a middle block moves fewer bytes each way and launches no more kernels forward, and autograd keeps
+    nothing d wide of its own, only small fp32 numbers a token and connection: the width op's logits, rstd and the
+    input's rstd (n (n + 2) + n + 1), and A's mixing columns and B, kept by the stream mix and by their tanh
+    (2 (n^2 + n)); no normalised or unnormalised input (n = 2: 23 numbers, against d = 64 wide streams here)."""
     step, unfused = _fused_and_unfused_costs("hc")
     assert step["by_op"]["forward"]["stream_mix_forward"][0] == 6
+    assert step["by_op"]["forward"]["width_forward"][0] == 6 and "project_forward" not in step["by_op"]["forward"]
     for phase in ("forward", "backward"):
         assert step["layer"][phase]["bytes"] < unfused["layer"][phase]["bytes"], phase
     assert step["layer"]["forward"]["kernels"] <= unfused["layer"]["forward"]["kernels"]
     n = 2
     for recompute in (True, False):
         kept = _kept_unfused_and_fused("hc", recompute)
-        assert kept[1] <= kept[0] + 6 * 2 * 16 * (n * (n + 1) + n) * 4, (recompute, kept)
+        assert kept[1] <= kept[0] + 6 * 2 * 16 * (n * (n + 2) + n + 1 + 2 * (n * n + n)) * 4, (recompute, kept)
 
 
 def test_the_check_catches_a_wrong_sinkhorn_backward(monkeypatch):
