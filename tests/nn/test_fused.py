@@ -357,7 +357,7 @@ def test_fused_streams_needs_rms_without_bias(change, words):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("model_type,extra", [("hybrid_pre", {}), ("mhc", {}),
+@pytest.mark.parametrize("model_type,extra", [("hybrid_pre", {}), ("mhc", {}), ("hc", {}),
                                               ("hybrid_pre", {"siamese_mixing": "dynamic"})])
 def test_fused_blocks_compile_whole_and_match_eager(model_type, extra):
     """The fused ops are opaque to torch.compile (one custom op each way, with fake implementations): a fused block

@@ -165,7 +165,8 @@ def test_compiled_blocks_move_fewer_bytes_in_fewer_kernels_than_eager(model_type
 @pytest.mark.slow
 def test_compiled_fused_hc_keeps_its_stream_mix_op_and_mhc_gives_it_to_inductor(_fresh_dynamo):
     """``MIX_IN_OP_COMPILED``: under torch.compile hc's fused connection still mixes in ``stream_mix`` (one op each
-    way, extern to inductor), mhc's gives the mix to inductor's own kernels; both still project in ``rms_project``.
+    way, extern to inductor), mhc's gives the mix to inductor's own kernels; mhc still projects in ``rms_project``,
+    hc in its width op (``hc_width``: the projection, the branch input and its norm).
     The kernel listing (``Cost.kernel_list``, results/cost-model/connection_kernels_compiled.py) is every kernel the
     totals count, inductor's named by the ops fused into them."""
     ops = {}
@@ -180,7 +181,8 @@ def test_compiled_fused_hc_keeps_its_stream_mix_op_and_mhc_gives_it_to_inductor(
             assert len(fused_labels) == cost.by_op["fused"][0] and all(label != "fused()" for label in fused_labels)
     assert {"stream_mix_forward"} <= ops["hc"]["forward"] and {"stream_mix_backward"} <= ops["hc"]["backward"], ops
     assert not any(op.startswith("stream_mix") for phase in ops["mhc"].values() for op in phase), ops
-    assert all("project_forward" in ops[m]["forward"] for m in ops), ops
+    assert "project_forward" in ops["mhc"]["forward"] and "width_forward" in ops["hc"]["forward"], ops
+    assert "width_backward" in ops["hc"]["backward"] and "project_forward" not in ops["hc"]["forward"], ops
 
 
 def test_fake_activation_count_equals_the_real_tensors_saved():
