@@ -1429,37 +1429,59 @@ def rms_project(x: Tensor, wp: Tensor, eps: float = 1e-5) -> Tensor:
     return _project_forward(x, wp, float(eps))[0]
 
 
-# ---- hc's width connection: coefficients, branch input and the branch's Pre-Norm, one pass over the streams ----------
-def width_reference(h: Tensor, wp: Tensor, a_static: Tensor, a_scale: Tensor, in_weight: Optional[Tensor] = None,
-                    eps: float = 1e-5, in_eps: float = 1e-5) -> Tuple[Tensor, Tensor]:
-    """hc's width connection with its branch's Pre-Norm, for the streams ``h`` (..., n, d): the coefficient logits
-    L = RMSNorm(h_s) @ wp (``project_reference``, per stream; the norm's weight folded into ``wp`` (d, k)), the input
-    coefficients a_s = a_static[s] + a_scale * tanh(L[s, 0]), and the sublayer's input RMSNorm(sum_s a_s h_s) (times
-    ``in_weight``). Returns (L (..., n, k) fp32, input (..., d) in h's dtype); fp32 inside. The other coefficients
-    (the mixing and the output weights) are small functions of L the caller computes."""
-    logits = project_reference(h, wp, eps)
-    a0 = a_static.float() + a_scale.float() * torch.tanh(logits[..., 0])
+# ---- hc's and mHC's width connection: coefficients, branch input and the branch's Pre-Norm, one pass over the streams
+def _input_coefficients(logits: Tensor, a_static: Tensor, a_scale: Tensor, flat: bool) -> Tensor:
+    """The input coefficients a (..., n) from the logits, fp32: hc (per stream, ``flat`` False) a_s = a_static[s] +
+    a_scale tanh(L[s, 0]); mHC (over the flattened streams) a_s = sigmoid(a_scale L[s] + a_static[s])."""
+    n = a_static.shape[0]
+    if flat:
+        return torch.sigmoid(a_scale.float() * logits[..., :n] + a_static.float())
+    return a_static.float() + a_scale.float() * torch.tanh(logits[..., 0])
+
+
+def _folded(proj: Tensor, proj_weight: Optional[Tensor]) -> Tensor:
+    """The projection with the coefficient norm's weight folded in, w[:, None] * P, fp32 (a temporary of the
+    parameters' size, never kept: the ops take P and w and fold them in each pass)."""
+    return proj.float() if proj_weight is None else proj_weight.float()[:, None] * proj.float()
+
+
+def width_reference(h: Tensor, proj: Tensor, a_static: Tensor, a_scale: Tensor, in_weight: Optional[Tensor] = None,
+                    eps: float = 1e-5, in_eps: float = 1e-5, flat: bool = False,
+                    proj_weight: Optional[Tensor] = None) -> Tuple[Tensor, Tensor]:
+    """A width connection with its branch's Pre-Norm, for the streams ``h`` (..., n, d): the coefficient logits, the
+    input coefficients a (``_input_coefficients``) and the sublayer's input RMSNorm(sum_s a_s h_s) (times
+    ``in_weight``). hc (``flat`` False): L = RMSNorm(h_s) @ wp per stream, (..., n, k), wp (d, k); mHC (``flat``):
+    L = RMSNorm(flatten(h)) @ wp per token, (..., k), wp (n d, k); ``project_reference``'s logits, wp = the norm's
+    weight ``proj_weight`` (or none) folded into ``proj``. Returns (L fp32, input in h's dtype); fp32 inside. The
+    other coefficients (mixing, output weights) are small functions of L the caller computes."""
+    logits = project_reference(h.flatten(-2) if flat else h, _folded(proj, proj_weight), eps)
+    a0 = _input_coefficients(logits, a_static, a_scale, flat)
     inp = (a0[..., None] * h.float()).sum(-2)
     out = inp * torch.rsqrt(inp.pow(2).mean(-1, keepdim=True) + in_eps)
     return logits, (out if in_weight is None else out * in_weight.float()).to(h.dtype)
 
 
-def _width_grads_torch(h, wp, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp):
-    """The width op's backward in plain torch, the kernel's arithmetic (fp32): (dh, the logits' whole gradient,
-    d a per token, the input norm's weight gradient (1, d) or None)."""
+def _width_grads_torch(h, wp, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp, flat):
+    """The width op's backward in plain torch, the kernel's arithmetic (fp32): (dh, the logits' whole gradient, d a
+    per token (..., n), the input norm's weight gradient (1, d) or None)."""
     n, d = h.shape[-2:]
     hf, logits, rstd, rin = h.float(), logits.float(), rstd.float(), rin.float()
-    th = torch.tanh(logits[..., 0])
-    a0 = a_static.float() + a_scale.float() * th
+    a0 = _input_coefficients(logits, a_static, a_scale, flat)
     inp = (a0[..., None] * hf).sum(-2)
     g = dinp.float() if in_weight is None else dinp.float() * in_weight.float()
     cf = rin.square() * (g * inp).sum(-1) / d
     d_inp = rin[..., None] * (g - inp * cf[..., None])
     da0 = (d_inp[..., None, :] * hf).sum(-1)
     dlt = dlog.float().clone()
-    dlt[..., 0] += da0 * a_scale.float() * (1 - th.square())
-    coef = (dlt * logits).sum(-1) * rstd.square() / d
-    dh = a0[..., None] * d_inp[..., None, :] + (dlt * rstd[..., None]) @ wp.float().t() - coef[..., None] * hf
+    if flat:
+        dlt[..., :n] += da0 * a0 * (1 - a0) * a_scale.float()
+        coef = (dlt * logits).sum(-1) * rstd.square() / (n * d)
+        dproj = ((dlt * rstd[..., None]) @ wp.float().t()).unflatten(-1, (n, d))
+        dh = a0[..., None] * d_inp[..., None, :] + dproj - coef[..., None, None] * hf
+    else:
+        dlt[..., 0] += da0 * a_scale.float() * (1 - torch.tanh(logits[..., 0]).square())
+        coef = (dlt * logits).sum(-1) * rstd.square() / d
+        dh = a0[..., None] * d_inp[..., None, :] + (dlt * rstd[..., None]) @ wp.float().t() - coef[..., None] * hf
     dwin = None if in_weight is None else (dinp.float() * inp * rin[..., None]).reshape(-1, d).sum(0, keepdim=True)
     return dh, dlt, da0, dwin
 
@@ -1471,7 +1493,7 @@ if triton is not None:
         return 2.0 * tl.sigmoid(2.0 * x) - 1.0
 
     @triton.jit
-    def _width_rows(H, pid, tokens, n, h_tok, h_str, BLOCK_T: tl.constexpr, N: tl.constexpr):
+    def _width_rows(pid, tokens, n, h_tok, h_str, BLOCK_T: tl.constexpr, N: tl.constexpr):
         """A program's (token, stream) rows, BLOCK_T tokens of N (padded) streams: token, stream, live, offset."""
         r = tl.arange(0, BLOCK_T * N)
         t = pid.to(tl.int64) * BLOCK_T + r // N
@@ -1486,18 +1508,24 @@ if triton is not None:
 
     @triton.jit
     def _per_row(v, BLOCK_T: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr):
-        """A token's (BLOCK_T, BLOCK_D) chunk repeated for each of its streams -> (BLOCK_T * N, BLOCK_D)."""
+        """A token's (BLOCK_T, BLOCK_D) values repeated for each of its streams -> (BLOCK_T * N, BLOCK_D)."""
         return tl.reshape(tl.broadcast_to(v[:, None, :], [BLOCK_T, N, BLOCK_D]), [BLOCK_T * N, BLOCK_D])
+
+    @triton.jit
+    def _in_weighted(dy, WIN, c, d, HAS_WIN: tl.constexpr):
+        if HAS_WIN:
+            return dy * tl.load(WIN + c, mask=c < d, other=0.0).to(tl.float32)[None, :]
+        return dy
 
     @triton.jit
     def _width_forward_kernel(H, W, AS, ASC, WIN, LOG, RSTD, INP, RIN, tokens, n, d, k, h_tok, h_str, eps, in_eps,
                               HAS_WIN: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr,
                               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-        """BLOCK_T tokens: their streams' logits and rstd (one pass over the features), the input coefficients,
-        then the input's sum of squares and the normalised input (two more passes over the same rows, which a
-        program has just read: from cache, not HBM)."""
+        """hc, BLOCK_T tokens as (token, stream) rows: their logits and rstd (one pass over the features), the
+        input coefficients, then the input's sum of squares and the normalised input (two more passes over the same
+        rows, which the program has just read: from cache, not HBM)."""
         pid = tl.program_id(0)
-        t, s, live, off = _width_rows(H, pid, tokens, n, h_tok, h_str, BLOCK_T, N)
+        t, s, live, off = _width_rows(pid, tokens, n, h_tok, h_str, BLOCK_T, N)
         tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         kk = tl.arange(0, BLOCK_K)
         acc = tl.zeros([BLOCK_T * N, BLOCK_K], tl.float32)
@@ -1525,9 +1553,7 @@ if triton is not None:
         for c0 in range(0, d, BLOCK_D):
             c = c0 + tl.arange(0, BLOCK_D)
             x = tl.load(H + off[:, None] + c[None, :], mask=live[:, None] & (c[None, :] < d), other=0.0).to(tl.float32)
-            out = _per_token(a0[:, None] * x, BLOCK_T, N, BLOCK_D) * rin[:, None]
-            if HAS_WIN:
-                out = out * tl.load(WIN + c, mask=c < d, other=0.0).to(tl.float32)[None, :]
+            out = _in_weighted(_per_token(a0[:, None] * x, BLOCK_T, N, BLOCK_D) * rin[:, None], WIN, c, d, HAS_WIN)
             tl.store(INP + tok[:, None] * d + c[None, :], out.to(INP.dtype.element_ty),
                      mask=(tok[:, None] < tokens) & (c[None, :] < d))
 
@@ -1535,11 +1561,11 @@ if triton is not None:
     def _width_backward_kernel(H, W, AS, ASC, WIN, LOG, RSTD, RIN, DLOG, DINP, DH, DLT, DA, PWIN, tokens, n, d, k,
                                h_tok, h_str, HAS_WIN: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr,
                                BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-        """BLOCK_T tokens: one pass over the features for the input norm's sums (<g, input>, <g, h_s>,
+        """hc, BLOCK_T tokens: one pass over the features for the input norm's sums (<g, input>, <g, h_s>,
         <input, h_s>, g = d input x the norm's weight) and the weight's partial gradient; then the coefficients'
         gradients (the logits' whole gradient, written for dW's kernel); then a pass that writes dh once."""
         pid = tl.program_id(0)
-        t, s, live, off = _width_rows(H, pid, tokens, n, h_tok, h_str, BLOCK_T, N)
+        t, s, live, off = _width_rows(pid, tokens, n, h_tok, h_str, BLOCK_T, N)
         tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         kk = tl.arange(0, BLOCK_K)
         rk = live[:, None] & (kk[None, :] < k)
@@ -1553,15 +1579,13 @@ if triton is not None:
         q = tl.zeros([BLOCK_T * N], tl.float32)
         for c0 in range(0, d, BLOCK_D):
             c = c0 + tl.arange(0, BLOCK_D)
-            tc = (tok[:, None] < tokens) & (c[None, :] < d)
             x = tl.load(H + off[:, None] + c[None, :], mask=live[:, None] & (c[None, :] < d), other=0.0).to(tl.float32)
-            dy = tl.load(DINP + tok[:, None] * d + c[None, :], mask=tc, other=0.0).to(tl.float32)
+            dy = tl.load(DINP + tok[:, None] * d + c[None, :], mask=(tok[:, None] < tokens) & (c[None, :] < d),
+                         other=0.0).to(tl.float32)
             inp = _per_token(a0[:, None] * x, BLOCK_T, N, BLOCK_D)
             if HAS_WIN:
-                g = dy * tl.load(WIN + c, mask=c < d, other=0.0).to(tl.float32)[None, :]
                 tl.store(PWIN + pid * d + c, tl.sum(dy * inp * rin[:, None], axis=0), mask=c < d)
-            else:
-                g = dy
+            g = _in_weighted(dy, WIN, c, d, HAS_WIN)
             s1 += tl.sum(g * inp, axis=1)
             p += tl.sum(_per_row(g, BLOCK_T, N, BLOCK_D) * x, axis=1)
             q += tl.sum(_per_row(inp, BLOCK_T, N, BLOCK_D) * x, axis=1)
@@ -1578,19 +1602,134 @@ if triton is not None:
         gl = dlt * rstd[:, None]
         for c0 in range(0, d, BLOCK_D):
             c = c0 + tl.arange(0, BLOCK_D)
-            tc = (tok[:, None] < tokens) & (c[None, :] < d)
             x = tl.load(H + off[:, None] + c[None, :], mask=live[:, None] & (c[None, :] < d), other=0.0).to(tl.float32)
-            dy = tl.load(DINP + tok[:, None] * d + c[None, :], mask=tc, other=0.0).to(tl.float32)
-            if HAS_WIN:
-                g = dy * tl.load(WIN + c, mask=c < d, other=0.0).to(tl.float32)[None, :]
-            else:
-                g = dy
+            dy = tl.load(DINP + tok[:, None] * d + c[None, :], mask=(tok[:, None] < tokens) & (c[None, :] < d),
+                         other=0.0).to(tl.float32)
+            g = _in_weighted(dy, WIN, c, d, HAS_WIN)
             inp = _per_token(a0[:, None] * x, BLOCK_T, N, BLOCK_D)
             d_inp = _per_row(rin[:, None] * (g - inp * cf[:, None]), BLOCK_T, N, BLOCK_D)
             wt = tl.load(W + c[None, :] * k + kk[:, None], mask=(c[None, :] < d) & (kk[:, None] < k), other=0.0)
             dh = a0[:, None] * d_inp + tl.dot(gl, wt.to(tl.float32), input_precision=PRECISION) - coef[:, None] * x
             tl.store(DH + (t * n + s)[:, None] * d + c[None, :], dh.to(DH.dtype.element_ty),
                      mask=live[:, None] & (c[None, :] < d))
+
+    @triton.jit
+    def _flat_coefficients(logits, AS, ASC, n, kk, jj, live):
+        """mHC's a (BLOCK_T, N) = sigmoid(a_scale L[:, s] + a_static[s]) from the tokens' logits (BLOCK_T, BLOCK_K)."""
+        l0 = tl.sum(tl.where(kk[None, None, :] == jj[None, :, None], logits[:, None, :], 0.0), axis=2)
+        a = tl.sigmoid(tl.load(ASC) * l0 + tl.load(AS + jj, mask=jj < n, other=0.0)[None, :])
+        return tl.where(live[:, None] & (jj[None, :] < n), a, 0.0)
+
+    @triton.jit
+    def _flat_input(H, a, tok, live, c, n, d, h_tok, h_str, jj, BLOCK_T: tl.constexpr, N: tl.constexpr,
+                    BLOCK_D: tl.constexpr):
+        """sum_s a[:, s] h_s over one chunk of features, (BLOCK_T, BLOCK_D), fp32."""
+        inp = tl.zeros([BLOCK_T, BLOCK_D], tl.float32)
+        for s in tl.static_range(N):
+            x = tl.load(H + tok[:, None] * h_tok + s * h_str + c[None, :],
+                        mask=live[:, None] & (c[None, :] < d) & (s < n), other=0.0).to(tl.float32)
+            inp += tl.sum(tl.where(jj[None, :] == s, a, 0.0), axis=1)[:, None] * x
+        return inp
+
+    @triton.jit
+    def _flat_width_forward_kernel(H, W, AS, ASC, WIN, LOG, RSTD, INP, RIN, tokens, n, d, k, h_tok, h_str, eps,
+                                   in_eps, HAS_WIN: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr,
+                                   BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """mHC, BLOCK_T tokens: the logits over the flattened streams (one pass, stream by stream against W's rows
+        for that stream) and rstd, the input gates, then the input's norm (two passes from cache)."""
+        pid = tl.program_id(0)
+        tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        live = tok < tokens
+        kk = tl.arange(0, BLOCK_K)
+        jj = tl.arange(0, N)
+        acc = tl.zeros([BLOCK_T, BLOCK_K], tl.float32)
+        ss = tl.zeros([BLOCK_T], tl.float32)
+        for s in tl.static_range(N):
+            for c0 in range(0, d, BLOCK_D):
+                c = c0 + tl.arange(0, BLOCK_D)
+                x = tl.load(H + tok[:, None] * h_tok + s * h_str + c[None, :],
+                            mask=live[:, None] & (c[None, :] < d) & (s < n), other=0.0).to(tl.float32)
+                w = tl.load(W + (s * d + c)[:, None] * k + kk[None, :],
+                            mask=(c[:, None] < d) & (kk[None, :] < k) & (s < n), other=0.0)
+                acc += tl.dot(x, w.to(tl.float32), input_precision=PRECISION)
+                ss += tl.sum(x * x, axis=1)
+        rstd = 1.0 / tl.sqrt(ss / (n * d) + eps)
+        logits = acc * rstd[:, None]
+        tl.store(LOG + tok[:, None] * k + kk[None, :], logits, mask=live[:, None] & (kk[None, :] < k))
+        tl.store(RSTD + tok, rstd, mask=live)
+        a = _flat_coefficients(logits, AS, ASC, n, kk, jj, live)
+        ss_in = tl.zeros([BLOCK_T], tl.float32)
+        for c0 in range(0, d, BLOCK_D):
+            c = c0 + tl.arange(0, BLOCK_D)
+            inp = _flat_input(H, a, tok, live, c, n, d, h_tok, h_str, jj, BLOCK_T, N, BLOCK_D)
+            ss_in += tl.sum(inp * inp, axis=1)
+        rin = 1.0 / tl.sqrt(ss_in / d + in_eps)
+        tl.store(RIN + tok, rin, mask=live)
+        for c0 in range(0, d, BLOCK_D):
+            c = c0 + tl.arange(0, BLOCK_D)
+            inp = _flat_input(H, a, tok, live, c, n, d, h_tok, h_str, jj, BLOCK_T, N, BLOCK_D)
+            out = _in_weighted(inp * rin[:, None], WIN, c, d, HAS_WIN)
+            tl.store(INP + tok[:, None] * d + c[None, :], out.to(INP.dtype.element_ty),
+                     mask=live[:, None] & (c[None, :] < d))
+
+    @triton.jit
+    def _flat_width_backward_kernel(H, W, AS, ASC, WIN, LOG, RSTD, RIN, DLOG, DINP, DH, DLT, DA, PWIN, tokens, n, d,
+                                    k, h_tok, h_str, HAS_WIN: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr,
+                                    BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        """mHC, BLOCK_T tokens: ``_width_backward_kernel``'s three steps with the logits per token, the gates'
+        sigmoid, and each stream's dh against W's rows for that stream."""
+        pid = tl.program_id(0)
+        tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        live = tok < tokens
+        kk = tl.arange(0, BLOCK_K)
+        jj = tl.arange(0, N)
+        rk = live[:, None] & (kk[None, :] < k)
+        logits = tl.load(LOG + tok[:, None] * k + kk[None, :], mask=rk, other=0.0)
+        a = _flat_coefficients(logits, AS, ASC, n, kk, jj, live)
+        rin = tl.load(RIN + tok, mask=live, other=0.0)
+        s1 = tl.zeros([BLOCK_T], tl.float32)
+        p = tl.zeros([BLOCK_T, N], tl.float32)
+        q = tl.zeros([BLOCK_T, N], tl.float32)
+        for c0 in range(0, d, BLOCK_D):
+            c = c0 + tl.arange(0, BLOCK_D)
+            dy = tl.load(DINP + tok[:, None] * d + c[None, :], mask=live[:, None] & (c[None, :] < d),
+                         other=0.0).to(tl.float32)
+            inp = _flat_input(H, a, tok, live, c, n, d, h_tok, h_str, jj, BLOCK_T, N, BLOCK_D)
+            if HAS_WIN:
+                tl.store(PWIN + pid * d + c, tl.sum(dy * inp * rin[:, None], axis=0), mask=c < d)
+            g = _in_weighted(dy, WIN, c, d, HAS_WIN)
+            s1 += tl.sum(g * inp, axis=1)
+            for s in tl.static_range(N):
+                x = tl.load(H + tok[:, None] * h_tok + s * h_str + c[None, :],
+                            mask=live[:, None] & (c[None, :] < d) & (s < n), other=0.0).to(tl.float32)
+                p += tl.where(jj[None, :] == s, tl.sum(g * x, axis=1)[:, None], 0.0)
+                q += tl.where(jj[None, :] == s, tl.sum(inp * x, axis=1)[:, None], 0.0)
+        cf = rin * rin * s1 / d
+        da = tl.where(live[:, None] & (jj[None, :] < n), rin[:, None] * (p - cf[:, None] * q), 0.0)
+        tl.store(DA + tok[:, None] * n + jj[None, :], da, mask=live[:, None] & (jj[None, :] < n))
+        dz = da * a * (1.0 - a) * tl.load(ASC)
+        dlt = tl.load(DLOG + tok[:, None] * k + kk[None, :], mask=rk, other=0.0).to(tl.float32)
+        dlt += tl.sum(tl.where(kk[None, None, :] == jj[None, :, None], dz[:, :, None], 0.0), axis=1)
+        tl.store(DLT + tok[:, None] * k + kk[None, :], dlt, mask=rk)
+        rstd = tl.load(RSTD + tok, mask=live, other=0.0)
+        coef = tl.sum(dlt * logits, axis=1) * rstd * rstd / (n * d)
+        gl = dlt * rstd[:, None]
+        for c0 in range(0, d, BLOCK_D):
+            c = c0 + tl.arange(0, BLOCK_D)
+            dy = tl.load(DINP + tok[:, None] * d + c[None, :], mask=live[:, None] & (c[None, :] < d),
+                         other=0.0).to(tl.float32)
+            g = _in_weighted(dy, WIN, c, d, HAS_WIN)
+            inp = _flat_input(H, a, tok, live, c, n, d, h_tok, h_str, jj, BLOCK_T, N, BLOCK_D)
+            d_inp = rin[:, None] * (g - inp * cf[:, None])
+            for s in tl.static_range(N):
+                m = live[:, None] & (c[None, :] < d) & (s < n)
+                x = tl.load(H + tok[:, None] * h_tok + s * h_str + c[None, :], mask=m, other=0.0).to(tl.float32)
+                wt = tl.load(W + (s * d + c)[None, :] * k + kk[:, None],
+                             mask=(c[None, :] < d) & (kk[:, None] < k) & (s < n), other=0.0)
+                a_s = tl.sum(tl.where(jj[None, :] == s, a, 0.0), axis=1)
+                dh = a_s[:, None] * d_inp + tl.dot(gl, wt.to(tl.float32), input_precision=PRECISION) \
+                    - coef[:, None] * x
+                tl.store(DH + (tok[:, None] * n + s) * d + c[None, :], dh.to(DH.dtype.element_ty), mask=m)
 
 
 _WIDTH_BLOCK_T, _WIDTH_BLOCK_D = 16, 64  # tokens a program (with all their streams); features a chunk
@@ -1611,40 +1750,50 @@ def _width_params(wp, a_static, a_scale, in_weight):
             None if in_weight is None else in_weight.contiguous())
 
 
-def _width_forward_impl(h, wp, a_static, a_scale, in_weight, eps, in_eps):
-    """(logits (..., n, k) fp32, rstd (..., n) fp32, input (..., d) in h's dtype, the input's rstd (...) fp32)."""
+def _width_shapes(h: Tensor, k: int, flat: bool) -> Tuple[tuple, tuple]:
+    """(the logits' shape, rstd's): per stream for hc, per token for mHC."""
+    lead, n = h.shape[:-2], h.shape[-2]
+    return ((*lead, k), lead) if flat else ((*lead, n, k), (*lead, n))
+
+
+def _width_forward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, eps, in_eps, flat):
+    """(logits fp32, rstd fp32, input (..., d) in h's dtype, the input's rstd (...) fp32)."""
     n, d = h.shape[-2:]
+    wp = _folded(proj, proj_weight)
     k = wp.shape[-1]
     if not _use_triton(h):
-        hf = h.float()
-        rstd = torch.rsqrt(hf.pow(2).mean(-1) + eps)
-        logits = (hf @ wp.float()) * rstd[..., None]
-        a0 = a_static.float() + a_scale.float() * torch.tanh(logits[..., 0])
-        inp = (a0[..., None] * hf).sum(-2)
+        x = h.flatten(-2).float() if flat else h.float()
+        rstd = torch.rsqrt(x.pow(2).mean(-1) + eps)
+        logits = (x @ wp.float()) * rstd[..., None]
+        a0 = _input_coefficients(logits, a_static, a_scale, flat)
+        inp = (a0[..., None] * h.float()).sum(-2)
         rin = torch.rsqrt(inp.pow(2).mean(-1) + in_eps)
         out = inp * rin[..., None]
         return logits, rstd, (out if in_weight is None else out * in_weight.float()).to(h.dtype), rin
     hv, h_tok, h_str = _streams_view(h)
     tokens = hv.shape[0]
     wp, a_static, a_scale, in_weight = _width_params(wp, a_static, a_scale, in_weight)
-    logits = torch.empty((tokens, n, k), dtype=torch.float32, device=h.device)
-    rstd = torch.empty((tokens, n), dtype=torch.float32, device=h.device)
-    inp = torch.empty((tokens, d), dtype=h.dtype, device=h.device)
-    rin = torch.empty((tokens,), dtype=torch.float32, device=h.device)
-    _width_forward_kernel[(triton.cdiv(tokens, _WIDTH_BLOCK_T),)](
+    log_shape, rstd_shape = _width_shapes(h, k, flat)
+    logits = torch.empty(log_shape, dtype=torch.float32, device=h.device)
+    rstd = torch.empty(rstd_shape, dtype=torch.float32, device=h.device)
+    inp = torch.empty((*h.shape[:-2], d), dtype=h.dtype, device=h.device)
+    rin = torch.empty(h.shape[:-2], dtype=torch.float32, device=h.device)
+    kernel = _flat_width_forward_kernel if flat else _width_forward_kernel
+    kernel[(triton.cdiv(tokens, _WIDTH_BLOCK_T),)](
         hv, wp, a_static, a_scale, in_weight if in_weight is not None else rin, logits, rstd, inp, rin, tokens, n, d,
         k, h_tok, h_str, eps, in_eps, HAS_WIN=in_weight is not None, **_width_sizes(k, n, h))
-    lead = h.shape[:-2]
-    return logits.view(*lead, n, k), rstd.view(*lead, n), inp.view(*lead, d), rin.view(lead)
+    return logits, rstd, inp, rin
 
 
-def _width_backward_impl(h, wp, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp):
-    """(dh in h's dtype, the logits' whole gradient (..., n, k) fp32, d a (..., n) fp32, the input norm's weight
-    gradient as fp32 partial sums (programs, d), or (0, d) without the weight)."""
+def _width_backward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp, flat):
+    """(dh in h's dtype, the logits' whole gradient fp32, d a (..., n) fp32, the input norm's weight gradient as
+    fp32 partial sums (programs, d), or (0, d) without the weight)."""
     n, d = h.shape[-2:]
+    wp = _folded(proj, proj_weight)
     k = wp.shape[-1]
     if not _use_triton(h):
-        dh, dlt, da0, dwin = _width_grads_torch(h, wp, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp)
+        dh, dlt, da0, dwin = _width_grads_torch(h, wp, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp,
+                                                flat)
         pwin = h.new_zeros((_width_programs(h, in_weight), d), dtype=torch.float32)
         if dwin is not None:  # the whole sum in the first program's place, zeros in the others' (the kernel's shape)
             pwin[:1] = dwin
@@ -1654,88 +1803,119 @@ def _width_backward_impl(h, wp, a_static, a_scale, in_weight, logits, rstd, rin,
     programs = triton.cdiv(tokens, _WIDTH_BLOCK_T)
     wp, a_static, a_scale, in_weight = _width_params(wp, a_static, a_scale, in_weight)
     dh = torch.empty((tokens, n, d), dtype=h.dtype, device=h.device)  # written in h's dtype: no cast
-    dlt = torch.empty((tokens, n, k), dtype=torch.float32, device=h.device)
-    da0 = torch.empty((tokens, n), dtype=torch.float32, device=h.device)
+    dlt = torch.empty(logits.shape, dtype=torch.float32, device=h.device)
+    da0 = torch.empty((*h.shape[:-2], n), dtype=torch.float32, device=h.device)
     pwin = torch.empty((programs if in_weight is not None else 0, d), dtype=torch.float32, device=h.device)
-    _width_backward_kernel[(programs,)](
+    kernel = _flat_width_backward_kernel if flat else _width_backward_kernel
+    kernel[(programs,)](
         hv, wp, a_static, a_scale, in_weight if in_weight is not None else rin, logits.contiguous(),
         rstd.contiguous(), rin.contiguous(), dlog.float().contiguous(), dinp.contiguous(), dh, dlt, da0,
         pwin if in_weight is not None else rin, tokens, n, d, k, h_tok, h_str, HAS_WIN=in_weight is not None,
         **_width_sizes(k, n, h))
-    lead = h.shape[:-2]
-    return dh.view(h.shape), dlt.view(*lead, n, k), da0.view(*lead, n), pwin
+    return dh.view(h.shape), dlt, da0, pwin
 
 
 @torch.library.custom_op(f"{NAMESPACE}::width_forward", mutates_args=())
-def _width_forward(h: Tensor, wp: Tensor, a_static: Tensor, a_scale: Tensor, in_weight: Opt, eps: float,
-                   in_eps: float) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(logits (..., n, k) fp32, rstd (..., n) fp32, input (..., d) in h's dtype, the input's rstd (...) fp32)."""
-    return _width_forward_impl(h, wp, a_static, a_scale, in_weight, eps, in_eps)
+def _width_forward(h: Tensor, proj: Tensor, proj_weight: Opt, a_static: Tensor, a_scale: Tensor, in_weight: Opt,
+                   eps: float, in_eps: float, flat: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """(logits fp32, rstd fp32, input (..., d) in h's dtype, the input's rstd (...) fp32)."""
+    return _width_forward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, eps, in_eps, flat)
 
 
 @_width_forward.register_fake
-def _(h, wp, a_static, a_scale, in_weight, eps, in_eps):
-    lead, (n, d), f32 = h.shape[:-2], h.shape[-2:], torch.float32
-    return (h.new_empty((*lead, n, wp.shape[-1]), dtype=f32), h.new_empty((*lead, n), dtype=f32),
-            h.new_empty((*lead, d)), h.new_empty(lead, dtype=f32))
+def _(h, proj, proj_weight, a_static, a_scale, in_weight, eps, in_eps, flat):
+    log_shape, rstd_shape = _width_shapes(h, proj.shape[-1], flat)
+    f32 = torch.float32
+    return (h.new_empty(log_shape, dtype=f32), h.new_empty(rstd_shape, dtype=f32),
+            h.new_empty((*h.shape[:-2], h.shape[-1])), h.new_empty(h.shape[:-2], dtype=f32))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::width_backward", mutates_args=())
-def _width_backward(h: Tensor, wp: Tensor, a_static: Tensor, a_scale: Tensor, in_weight: Opt, logits: Tensor,
-                    rstd: Tensor, rin: Tensor, dlog: Tensor, dinp: Tensor) -> List[Tensor]:
+def _width_backward(h: Tensor, proj: Tensor, proj_weight: Opt, a_static: Tensor, a_scale: Tensor, in_weight: Opt,
+                    logits: Tensor, rstd: Tensor, rin: Tensor, dlog: Tensor, dinp: Tensor, flat: bool) -> List[Tensor]:
     """(dh, the logits' whole gradient, d a per token, the input norm weight's partial sums) (one kernel)."""
-    return list(_width_backward_impl(h, wp, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp))
+    return list(_width_backward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin, dlog,
+                                     dinp, flat))
 
 
 @_width_backward.register_fake
-def _(h, wp, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp):
-    return [h.new_empty(h.shape), logits.new_empty(logits.shape), rstd.new_empty(rstd.shape),
-            rstd.new_empty((_width_programs(h, in_weight), h.shape[-1]))]
+def _(h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp, flat):
+    return [h.new_empty(h.shape), logits.new_empty(logits.shape), rin.new_empty((*h.shape[:-2], h.shape[-2])),
+            rin.new_empty((_width_programs(h, in_weight), h.shape[-1]))]
 
 
 def _width_setup(ctx, inputs, output):
-    h, wp, a_static, a_scale, in_weight, _eps, _in_eps = inputs
+    h, proj, proj_weight, a_static, a_scale, in_weight, _eps, _in_eps, flat = inputs
     logits, rstd, _inp, rin = output
-    ctx.save_for_backward(h, wp, a_static, a_scale, in_weight, logits, rstd, rin)  # h, and (..., n, k + 1) fp32 more
+    # h, the parameters, and a few fp32 numbers a token
+    ctx.save_for_backward(h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin)
+    ctx.flat = flat
     ctx.set_materialize_grads(False)
 
 
 def _width_backward_autograd(ctx, dlog, _drstd, dinp, _drin):
-    h, wp, a_static, a_scale, in_weight, logits, rstd, rin = ctx.saved_tensors
+    h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin = ctx.saved_tensors
+    flat = ctx.flat
     if dinp is None:
         dinp = torch.zeros((*h.shape[:-2], h.shape[-1]), dtype=h.dtype, device=h.device)
     if dlog is None:
         dlog = torch.zeros_like(logits)
-    dh, dlt, da0, pwin = _width_backward(h, wp, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp)
-    n, d = h.shape[-2:]
-    dwp = _project_backward_w(h, rstd, dlt).sum(0).to(wp.dtype) if ctx.needs_input_grad[1] else None
-    da_static = da0.reshape(-1, n).sum(0).to(a_static.dtype)
-    da_scale = (da0 * torch.tanh(logits[..., 0])).sum().reshape(a_scale.shape).to(a_scale.dtype)
+    dh, dlt, da0, pwin = _width_backward(h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin, dlog,
+                                         dinp, flat)
+    n = h.shape[-2]
+    dproj = dpw = None
+    if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # d(w P) summed over the rows, then to P and w
+        dwp = _project_backward_w(h.flatten(-2) if flat else h, rstd, dlt).sum(0)
+        dproj = (dwp if proj_weight is None else dwp * proj_weight.float()[:, None]).to(proj.dtype)
+        dpw = None if proj_weight is None else (dwp * proj.float()).sum(-1).to(proj_weight.dtype)
+    if flat:  # a = sigmoid(z), z = a_scale L[s] + a_static[s]
+        a0 = _input_coefficients(logits, a_static, a_scale, True)
+        dz = da0 * a0 * (1 - a0)
+        da_static, da_scale = dz.reshape(-1, n).sum(0), (dz * logits[..., :n]).sum()
+    else:  # a = a_static[s] + a_scale tanh(L[s, 0])
+        da_static, da_scale = da0.reshape(-1, n).sum(0), (da0 * torch.tanh(logits[..., 0])).sum()
     dwin = pwin.sum(0).to(in_weight.dtype) if in_weight is not None else None
-    return dh, dwp, da_static, da_scale, dwin, None, None
+    return (dh, dproj, dpw, da_static.to(a_static.dtype), da_scale.reshape(a_scale.shape).to(a_scale.dtype), dwin,
+            None, None, None)
 
 
 _width_forward.register_autograd(_width_backward_autograd, setup_context=_width_setup)
 
 
-def hc_width(h: Tensor, wp: Tensor, a_static: Tensor, a_scale: Tensor, in_weight: Optional[Tensor] = None, *,
-             eps: float = 1e-5, in_eps: float = 1e-5) -> Tuple[Tensor, Tensor]:
-    """``width_reference`` as one op each way (``siamesenorm::width_forward`` / ``_backward``): (the logits, the
-    sublayer's normalised input). One kernel reads the streams once (its three passes over a program's rows after
-    the first come from cache) for the logits, the input coefficients, the input and its norm, and writes the input
-    once, where the projection, the input's sum and its norm were three kernels that read the streams twice and
-    wrote the unnormalised input; backward one kernel writes dh once (reading h, d input and the logits' gradient
-    from the caller's own small ops) and dW's kernel (``rms_project``'s) reads h once more. Autograd keeps h and
-    the (..., n, k + 1) fp32 logits and rstd: the input is never kept or recomputed."""
+def _width_call(h, proj, a_static, a_scale, in_weight, proj_weight, eps, in_eps, flat, who):
     n, d = h.shape[-2:]
-    if wp.dim() != 2 or wp.shape[0] != d or a_static.shape != (n,) or a_scale.numel() != 1 or (
-            in_weight is not None and in_weight.shape != (d,)):
-        raise ValueError(f"hc_width takes h (..., n, d), wp (d, k), a_static (n,), a_scale (1,), in_weight (d,); got "
-                         f"{tuple(h.shape)}, {tuple(wp.shape)}, {tuple(a_static.shape)}, {tuple(a_scale.shape)}, "
-                         f"{None if in_weight is None else tuple(in_weight.shape)}")
-    logits, _rstd, inp, _rin = _width_forward(h, wp, a_static, a_scale.reshape(1), in_weight, float(eps),
-                                              float(in_eps))
+    rows = n * d if flat else d
+    if proj.dim() != 2 or proj.shape[0] != rows or a_static.shape != (n,) or a_scale.numel() != 1 or (
+            in_weight is not None and in_weight.shape != (d,)) or (flat and proj.shape[1] < n) or (
+            proj_weight is not None and proj_weight.shape != (rows,)):
+        raise ValueError(f"{who} takes h (..., n, d), proj ({'n d' if flat else 'd'}, k), a_static (n,), a_scale (1,), "
+                         f"in_weight (d,), proj_weight ({'n d' if flat else 'd'},); got {tuple(h.shape)}, "
+                         f"{tuple(proj.shape)}, {tuple(a_static.shape)}, {tuple(a_scale.shape)}, "
+                         f"{None if in_weight is None else tuple(in_weight.shape)}, "
+                         f"{None if proj_weight is None else tuple(proj_weight.shape)}")
+    logits, _rstd, inp, _rin = _width_forward(h, proj, proj_weight, a_static, a_scale.reshape(1), in_weight,
+                                              float(eps), float(in_eps), flat)
     return logits, inp
+
+
+def hc_width(h: Tensor, proj: Tensor, a_static: Tensor, a_scale: Tensor, in_weight: Optional[Tensor] = None, *,
+             proj_weight: Optional[Tensor] = None, eps: float = 1e-5, in_eps: float = 1e-5) -> Tuple[Tensor, Tensor]:
+    """``width_reference`` for hc as one op each way (``siamesenorm::width_forward`` / ``_backward``): (the logits
+    (..., n, k), the sublayer's normalised input). One kernel reads the streams once (its passes over a program's
+    rows after the first come from cache) for the logits, the input coefficients, the input and its norm, and
+    writes the input once, where the projection, the input's sum and its norm were three kernels that read the
+    streams twice and wrote the unnormalised input; backward one kernel writes dh once (reading h, d input and the
+    logits' gradient from the caller's own small ops) and dW's kernel (``rms_project``'s) reads h once more.
+    Autograd keeps h, the parameters and a few fp32 numbers a stream and token: the input is never kept or
+    recomputed, nor w P (the ops fold the norm's weight into the projection themselves)."""
+    return _width_call(h, proj, a_static, a_scale, in_weight, proj_weight, eps, in_eps, False, "hc_width")
+
+
+def mhc_width(h: Tensor, proj: Tensor, a_static: Tensor, a_scale: Tensor, in_weight: Optional[Tensor] = None, *,
+              proj_weight: Optional[Tensor] = None, eps: float = 1e-5, in_eps: float = 1e-5) -> Tuple[Tensor, Tensor]:
+    """``width_reference`` for mHC (``flat``: the logits (..., k) over the flattened streams, the input gates
+    sigmoid(a_scale L[s] + a_static[s]) from the first n) as ``hc_width``'s one op each way."""
+    return _width_call(h, proj, a_static, a_scale, in_weight, proj_weight, eps, in_eps, True, "mhc_width")
 
 
 # ---- SiameseNorm's stream mixing (siamese_mixing) with the residual add before it, one pass over the streams ------
@@ -2055,8 +2235,8 @@ def SIZE_CASES(case: dict) -> bool:
     on (two streams, O, LN^X, gamma, LN^in, weights; stacked and separate), the one-stream op, ``copy``,
     ``block_input``, ``stream_add``, the head norms (fewer k/v heads, strided, RoPE), ``qkv_rope``, Sinkhorn (4 streams, 20 iterations),
     ``stream_mix`` (4 streams), ``pair_mix`` (dynamic with the norm's weight, with O; and on the stacked state),
-    ``rms_project`` (both cases) and ``hc_width`` (4 streams read in place, with the input norm's weight): 17 of the
-    384 (the two-stream op with and without gamma, on separate and stacked streams)."""
+    ``rms_project`` (both cases) and the width ops (hc's and mHC's: 4 streams read in place, with the input norm's
+    weight): 18 of the 392 (the two-stream op with and without gamma, on separate and stacked streams)."""
     full = dict(two=True, has_o=True, x_norm=True, wx=True, wy=True, in_norm=True, win=True)
     if "two" in case and len(case) == 9:  # the stream op's 256 + 32
         return all(case[k] == v for k, v in full.items()) or (
@@ -2071,7 +2251,7 @@ def SIZE_CASES(case: dict) -> bool:
                     dict(pair_mix=True, has_o=True, form="dynamic+w", stacked=False),
                     dict(pair_mix=True, has_o=False, form="dynamic+w", stacked=True),
                     dict(project=True, k=24, strided=False), dict(project=True, k=6, strided=True),
-                    dict(width=True, n=4, win=True, strided=True))
+                    dict(width="hc", n=4, win=True, strided=True), dict(width="mhc", n=4, win=True, strided=True))
 
 
 def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol: float = 2e-5,
@@ -2084,8 +2264,8 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
     fewer, contiguous and strided: 4), of ``pair_mix`` (with and without O, static and dynamic with and
     without the norm's weight, separate and stacked streams: 12), of ``sinkhorn`` (4 and 3 streams, both orders, 1 and 20 iterations: 8), of
     ``stream_mix`` (4, 3 and 2 streams, stacked and widened from one stream: 6), of ``rms_project`` (mHC's 24
-    columns over 4 d features; hc's 6 over d, rows read in place: 2) and of ``hc_width`` (2 and 4 streams, with and
-    without the input norm's weight, contiguous and read in place: 8), forward and backward (a random
+    columns over 4 d features; hc's 6 over d, rows read in place: 2) and of ``hc_width`` and ``mhc_width`` (2 and 4
+    streams, with and without the input norm's weight, contiguous and read in place: 16), forward and backward (a random
     projection of the outputs), against autograd of ``reference`` / ``head_reference`` / siamesenorm.nn.sinkhorn /
     ``mix_reference`` / ``project_reference`` / ``width_reference``, fp64 inputs on ``device`` (fp32 inside all; within ``tol`` elementwise,
     relative and absolute, the absolute part scaled by each tensor's largest value where that exceeds 1; the head
@@ -2271,27 +2451,34 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
         seen.append(case)
         if not agree(lambda: project_reference(x, wp), lambda: rms_project(x, wp), [base, wp], (k,)):
             bad.append(case)
-    for n, win, strided in itertools.product([2, 4], [True, False], [False, True]):  # hc's width op
-        k = n + 2
+    for form, n, win, strided in itertools.product(["hc", "mhc"], [2, 4], [True, False], [False, True]):  # width ops
+        flat = form == "mhc"
+        k = n * n + 2 * n if flat else n + 2
         base = randn(*rows, n * d + 5 if strided else n * d)
         h = (base[..., 2:2 + n * d] if strided else base).unflatten(-1, (n, d))  # strided: tokens read in place
-        wp = randn(d, k, as_dtype=torch.float64 if dtype == torch.float64 else torch.float32)
+        fp = torch.float64 if dtype == torch.float64 else torch.float32  # the parameters' dtype: fp32, as the model's
+        proj = randn(n * d if flat else d, k, as_dtype=fp)
         a_static = (0.3 + randn(n, grad=False, as_dtype=torch.float64).abs()).requires_grad_()  # away from a sum of 0
         a_scale = (0.5 * randn(1, grad=False, as_dtype=torch.float64)).requires_grad_()
         in_weight = weight(win)
-        case = dict(width=True, n=n, win=win, strided=strided)
+        kw = dict(proj_weight=(1 + 0.3 * randn(n * d if flat else d, grad=False, as_dtype=fp)).requires_grad_()
+                  if win else None)  # the coefficient norm's weight, with the input norm's
+        case = dict(width=form, n=n, win=win, strided=strided)
         if select is not None and not select(case):
             continue
         seen.append(case)
-        # the caller reads the logits' columns after the first (the mixing and the output weights)
-        if not agree(lambda: _width_probe(width_reference(h, wp, a_static, a_scale, in_weight, 1e-5, 1e-6)),
-                     lambda: _width_probe(hc_width(h, wp, a_static, a_scale, in_weight, eps=1e-5, in_eps=1e-6)),
-                     [t for t in (base, wp, a_static, a_scale, in_weight) if t is not None], (n * (k - 1), d)):
+        # the caller reads the logits' other columns (hc: after each stream's first; mHC: after the n gates)
+        if not agree(lambda: _width_probe(width_reference(h, proj, a_static, a_scale, in_weight, 1e-5, 1e-6, flat,
+                                                          **kw), n, flat),
+                     lambda: _width_probe((mhc_width if flat else hc_width)(h, proj, a_static, a_scale, in_weight,
+                                                                            eps=1e-5, in_eps=1e-6, **kw), n, flat),
+                     [t for t in (base, proj, kw["proj_weight"], a_static, a_scale, in_weight) if t is not None],
+                     (k - n if flat else n * (k - 1), d)):
             bad.append(case)
     return bad
 
 
-def _width_probe(outputs):
+def _width_probe(outputs, n, flat):
     """(the logits' columns the caller reads, flattened per token; the input)."""
     logits, inp = outputs
-    return logits[..., 1:].flatten(-2), inp
+    return (logits[..., n:] if flat else logits[..., 1:].flatten(-2)), inp

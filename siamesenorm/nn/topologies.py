@@ -21,7 +21,7 @@ from typing import Callable, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from .fused import hc_width, rms_project, stream_mix
+from .fused import hc_width, mhc_width, rms_project, stream_mix
 from .fused import sinkhorn as fused_sinkhorn
 from .fused import sinkhorn_reference as sinkhorn
 
@@ -575,10 +575,12 @@ class _Connection(nn.Module):
 
     fused: bool = False
     #: Whether ``stream_mix`` also mixes under ``torch.compile``, or gives way to plain arithmetic that inductor fuses
-    #: into its neighbours; chosen per connection by the cost model's compiled count of a middle block at 256 tokens
-    #: (the 1.3B recipe's width, fused, recompute on; ``_compiled_middle_block``): hc with the op 215.6 + 440.7 MB
-    #: forward + backward against 211.3 + 453.2 without it; mhc 240.4 + 510.8 against 232.1 + 515.0.
-    MIX_IN_OP_COMPILED = False
+    #: into its neighbours; chosen per connection by the cost model's compiled count (the 1.3B recipe, fused,
+    #: recompute on): hc with the op 215.6 + 440.7 MB forward + backward against 211.3 + 453.2 without it (a middle
+    #: block at 256 tokens); mhc, since its width connection is one op (``mhc_width``), 15.4 GB a layer with the op
+    #: against 15.7 without it at the recipe's 16,384 tokens (before that op, 240.4 + 510.8 MB against 232.1 + 515.0
+    #: at 256 tokens: then the op was off for mhc).
+    MIX_IN_OP_COMPILED = True
 
     @property
     def mixes_in_op(self) -> bool:
@@ -605,10 +607,9 @@ class HyperConnection(_Connection):
     (``_Connection``; ``width`` then gives the matrix m[j, s] = A[s, 1+j]), and both dynamic projections as one
     product with the norm's division after it, norm(H) [W_a | w_b] = (H @ (w [W_a | w_b])) * rstd(H), one op each
     way (siamesenorm/nn/fused.py ``rms_project``: H read in its own dtype, accumulated in fp32), so the normalised
-    streams are never written.
+    streams are never written; with the branch's Pre-Norm (``width_normed``, what the blocks call when fused and
+    dynamic), the projection, the input and its norm as one op each way (``hc_width``).
     """
-
-    MIX_IN_OP_COMPILED = True  # see _Connection: fewer bytes compiled with the op (n = 2), more for mhc's n = 4
 
     def __init__(self, n: int, dim: int, layer: int = 0, norm: NormFactory = nn.LayerNorm, dynamic: bool = True,
                  scale_init: float = 0.01, decay_dynamic: bool = True, device=None, fused: bool = False):
@@ -658,10 +659,9 @@ class HyperConnection(_Connection):
         m (..., n, n) fp32, B (..., n) fp32); ``normalizes_input`` says when it applies."""
         weight, eps = getattr(self.norm, "weight", None), getattr(self.norm, "eps", None)
         eps = torch.finfo(torch.float32).eps if eps is None else eps  # nn.RMSNorm's default
-        proj = torch.cat([self.dynamic_alpha_fn, self.dynamic_beta_fn[:, None]], dim=-1).float()  # (d, 1 + n + 1)
-        wp = proj if weight is None else weight.float()[:, None] * proj
-        logits, inp = hc_width(h, wp, self.static_alpha[:, 0], self.dynamic_alpha_scale, in_weight, eps=eps,
-                               in_eps=in_eps)
+        proj = torch.cat([self.dynamic_alpha_fn, self.dynamic_beta_fn[:, None]], dim=-1)  # (d, 1 + n + 1)
+        logits, inp = hc_width(h, proj, self.static_alpha[:, 0], self.dynamic_alpha_scale, in_weight,
+                               proj_weight=weight, eps=eps, in_eps=in_eps)
         alpha = self.static_alpha[:, 1:] + self.dynamic_alpha_scale * torch.tanh(logits[..., 1:-1])
         beta = self.static_beta + self.dynamic_beta_scale * torch.tanh(logits[..., -1])
         return inp, alpha.transpose(-1, -2), beta
@@ -728,7 +728,9 @@ class ManifoldHyperConnection(_Connection):
     normalised (n d)-wide copy nor an fp32 one written; accumulated in fp32 against fp32 w P, TF32 products on a GPU
     for bf16 streams, where OLMo's norm rounds h~ to the streams' dtype before its scale), Sinkhorn as one op each
     way (siamesenorm/nn/fused.py ``sinkhorn``), and the mixing
-    with the depth connection as one (``_Connection``; ``width`` then gives H_res in the carried streams' place).
+    with the depth connection as one (``_Connection``; ``width`` then gives H_res in the carried streams' place);
+    with the branch's Pre-Norm (``width_normed``, what the blocks call when fused), the projection, H_pre, the input
+    and its norm as one op each way (``mhc_width``).
     """
 
     def __init__(self, n: int, dim: int, norm: NormFactory = nn.LayerNorm, iterations: int = 20,
@@ -771,6 +773,32 @@ class ManifoldHyperConnection(_Connection):
             res = fused_sinkhorn(res_logits, self.iterations, self.order == "columns_first") if self.fused \
                 else sinkhorn(res_logits, self.iterations, self.order)
         return pre, post, res
+
+    @property
+    def normalizes_input(self) -> bool:
+        """Whether ``width_normed`` gives the branch its normalised input in one op (fused)."""
+        return self.fused
+
+    def width_normed(self, h: torch.Tensor, in_weight: Optional[torch.Tensor], in_eps: float
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``width`` with the branch's Pre-Norm (an RMSNorm of weight ``in_weight`` or none, ``in_eps``) applied to
+        the branch input, the logits, H_pre, the input and its norm as one op each way (siamesenorm/nn/fused.py
+        ``mhc_width``: the flattened streams read once, the normalised input written once; H_pre stays fp32 where
+        ``width`` rounds it to h's dtype before the sum); H_post and H_res from the other logits as ``coefficients``
+        computes them."""
+        n = self.n
+        weight, eps = getattr(self.norm, "weight", None), getattr(self.norm, "eps", None)
+        eps = torch.finfo(torch.float32).eps if eps is None else eps  # nn.RMSNorm's default
+        with torch.autocast(device_type=h.device.type, enabled=False):
+            g = self.gates.float()
+            logits, inp = mhc_width(h, self.proj, self.bias_pre, g[0], in_weight, proj_weight=weight, eps=eps,
+                                    in_eps=in_eps)
+            post = 2.0 * torch.sigmoid(g[1] * logits[..., n : 2 * n] + self.bias_post.float())
+            res_logits = g[2] * logits[..., 2 * n :].unflatten(-1, (n, n)) + self.bias_res.float()
+            res = fused_sinkhorn(res_logits, self.iterations, self.order == "columns_first")
+        if self.mixes_in_op:
+            return inp, res, post
+        return inp, _mix_streams(h, res.to(h.dtype), "js"), post.to(h.dtype)
 
     def width(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> branch input (..., d), mixed streams H_res H (..., n, d), H_post (..., n), in h's dtype; fused:

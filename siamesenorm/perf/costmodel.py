@@ -72,9 +72,13 @@ _MATMUL = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.at
            torch.ops.aten.baddbmm.default}
 #: Our fused ops that are matrix products inside (siamesenorm/nn/fused.py ``rms_project``: x (..., N) against an
 #: (N, K) matrix, each way): their FLOPs, 2 x rows x N x K, charged by the roofline as the products they replace.
+#: The width ops (``hc_width``, ``mhc_width``) hold the same projection and the branch input's weighted sum of the
+#: streams (a product of N = n, 2 FLOPs an element of h; backward two: the weights' and the streams' gradients).
 _CUSTOM_PRODUCTS = {"project_forward": lambda x, wp, *_: 2 * x.numel() * wp.shape[-1],
                     "project_backward_x": lambda x, wp, *_: 2 * x.numel() * wp.shape[-1],
-                    "project_backward_w": lambda x, rstd, dlog: 2 * x.numel() * dlog.shape[-1]}
+                    "project_backward_w": lambda x, rstd, dlog: 2 * x.numel() * dlog.shape[-1],
+                    "width_forward": lambda h, wp, *_: 2 * h.numel() * (wp.shape[-1] + 1),
+                    "width_backward": lambda h, wp, *_: 2 * h.numel() * (wp.shape[-1] + 2)}
 
 
 def product_excess(flops: int, nbytes: int) -> Dict[str, float]:
