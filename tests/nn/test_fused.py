@@ -111,6 +111,18 @@ def test_the_check_catches_a_wrong_width_backward(monkeypatch):
     assert fused.check() == WIDTH_CASES
 
 
+def test_the_width_ops_refuse_mismatched_shapes_in_one_line():
+    h = torch.zeros(2, 3, 4, 8)  # (B, T, n, d)
+    for call, proj in ((fused.hc_width, torch.zeros(16, 6)), (fused.mhc_width, torch.zeros(8, 24))):  # rows: d, n d
+        with pytest.raises(ValueError, match=f"{call.__name__} takes h") as raised:
+            call(h, proj, torch.zeros(4), torch.zeros(1))
+        assert "\n" not in str(raised.value)
+    logits, inp = fused.mhc_width(h + 1, torch.zeros(32, 24), torch.zeros(4), torch.zeros(1))
+    assert logits.shape == (2, 3, 24) and inp.shape == (2, 3, 8)
+    logits, inp = fused.hc_width(h + 1, torch.zeros(8, 6), torch.zeros(4), torch.zeros(1))
+    assert logits.shape == (2, 3, 4, 6) and inp.shape == (2, 3, 8)
+
+
 def test_the_check_catches_a_wrong_backward(monkeypatch):
     """The same check with dO missing the depth scale on X's part: many combinations must fail."""
     original = fused._torch_backward
