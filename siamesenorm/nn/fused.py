@@ -1518,12 +1518,12 @@ if triton is not None:
         return dy
 
     @triton.jit
-    def _width_forward_kernel(H, W, AS, ASC, WIN, LOG, RSTD, INP, RIN, tokens, n, d, k, h_tok, h_str, eps, in_eps,
-                              HAS_WIN: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr,
+    def _width_forward_kernel(H, HC, W, AS, ASC, WIN, LOG, RSTD, INP, RIN, tokens, n, d, k, h_tok, h_str, eps,
+                              in_eps, HAS_WIN: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr, BLOCK_D: tl.constexpr,
                               BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-        """hc, BLOCK_T tokens as (token, stream) rows: their logits and rstd (one pass over the features), the
-        input coefficients, then the input's sum of squares and the normalised input (two more passes over the same
-        rows, which the program has just read: from cache, not HBM)."""
+        """hc, BLOCK_T tokens as (token, stream) rows: their logits and rstd, and the streams' copy HC (one pass over
+        the features), the input coefficients, then the input's sum of squares and the normalised input (two more
+        passes over the same rows, which the program has just read: from cache, not HBM)."""
         pid = tl.program_id(0)
         t, s, live, off = _width_rows(pid, tokens, n, h_tok, h_str, BLOCK_T, N)
         tok = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -1532,7 +1532,9 @@ if triton is not None:
         ss = tl.zeros([BLOCK_T * N], tl.float32)
         for c0 in range(0, d, BLOCK_D):
             c = c0 + tl.arange(0, BLOCK_D)
-            x = tl.load(H + off[:, None] + c[None, :], mask=live[:, None] & (c[None, :] < d), other=0.0).to(tl.float32)
+            xh = tl.load(H + off[:, None] + c[None, :], mask=live[:, None] & (c[None, :] < d), other=0.0)
+            tl.store(HC + (t * n + s)[:, None] * d + c[None, :], xh, mask=live[:, None] & (c[None, :] < d))
+            x = xh.to(tl.float32)
             w = tl.load(W + c[:, None] * k + kk[None, :], mask=(c[:, None] < d) & (kk[None, :] < k), other=0.0)
             acc += tl.dot(x, w.to(tl.float32), input_precision=PRECISION)
             ss += tl.sum(x * x, axis=1)
@@ -1558,8 +1560,8 @@ if triton is not None:
                      mask=(tok[:, None] < tokens) & (c[None, :] < d))
 
     @triton.jit
-    def _width_backward_kernel(H, W, AS, ASC, WIN, LOG, RSTD, RIN, DLOG, DINP, DH, DLT, DA, PWIN, tokens, n, d, k,
-                               h_tok, h_str, HAS_WIN: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr,
+    def _width_backward_kernel(H, W, AS, ASC, WIN, LOG, RSTD, RIN, DLOG, DINP, DHC, DH, DLT, DA, PWIN, tokens, n, d,
+                               k, h_tok, h_str, HAS_WIN: tl.constexpr, HAS_DHC: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr,
                                BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
         """hc, BLOCK_T tokens: one pass over the features for the input norm's sums (<g, input>, <g, h_s>,
         <input, h_s>, g = d input x the norm's weight) and the weight's partial gradient; then the coefficients'
@@ -1610,6 +1612,9 @@ if triton is not None:
             d_inp = _per_row(rin[:, None] * (g - inp * cf[:, None]), BLOCK_T, N, BLOCK_D)
             wt = tl.load(W + c[None, :] * k + kk[:, None], mask=(c[None, :] < d) & (kk[:, None] < k), other=0.0)
             dh = a0[:, None] * d_inp + tl.dot(gl, wt.to(tl.float32), input_precision=PRECISION) - coef[:, None] * x
+            if HAS_DHC:  # the copy's gradient (the depth connection's): added here, not by autograd
+                dh += tl.load(DHC + (t * n + s)[:, None] * d + c[None, :], mask=live[:, None] & (c[None, :] < d),
+                              other=0.0).to(tl.float32)
             tl.store(DH + (t * n + s)[:, None] * d + c[None, :], dh.to(DH.dtype.element_ty),
                      mask=live[:, None] & (c[None, :] < d))
 
@@ -1632,7 +1637,7 @@ if triton is not None:
         return inp
 
     @triton.jit
-    def _flat_width_forward_kernel(H, W, AS, ASC, WIN, LOG, RSTD, INP, RIN, tokens, n, d, k, h_tok, h_str, eps,
+    def _flat_width_forward_kernel(H, HC, W, AS, ASC, WIN, LOG, RSTD, INP, RIN, tokens, n, d, k, h_tok, h_str, eps,
                                    in_eps, HAS_WIN: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr,
                                    BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
         """mHC, BLOCK_T tokens: the logits over the flattened streams (one pass, stream by stream against W's rows
@@ -1647,8 +1652,10 @@ if triton is not None:
         for s in tl.static_range(N):
             for c0 in range(0, d, BLOCK_D):
                 c = c0 + tl.arange(0, BLOCK_D)
-                x = tl.load(H + tok[:, None] * h_tok + s * h_str + c[None, :],
-                            mask=live[:, None] & (c[None, :] < d) & (s < n), other=0.0).to(tl.float32)
+                m = live[:, None] & (c[None, :] < d) & (s < n)
+                xh = tl.load(H + tok[:, None] * h_tok + s * h_str + c[None, :], mask=m, other=0.0)
+                tl.store(HC + (tok[:, None] * n + s) * d + c[None, :], xh, mask=m)
+                x = xh.to(tl.float32)
                 w = tl.load(W + (s * d + c)[:, None] * k + kk[None, :],
                             mask=(c[:, None] < d) & (kk[None, :] < k) & (s < n), other=0.0)
                 acc += tl.dot(x, w.to(tl.float32), input_precision=PRECISION)
@@ -1673,8 +1680,8 @@ if triton is not None:
                      mask=live[:, None] & (c[None, :] < d))
 
     @triton.jit
-    def _flat_width_backward_kernel(H, W, AS, ASC, WIN, LOG, RSTD, RIN, DLOG, DINP, DH, DLT, DA, PWIN, tokens, n, d,
-                                    k, h_tok, h_str, HAS_WIN: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr,
+    def _flat_width_backward_kernel(H, W, AS, ASC, WIN, LOG, RSTD, RIN, DLOG, DINP, DHC, DH, DLT, DA, PWIN, tokens, n,
+                                    d, k, h_tok, h_str, HAS_WIN: tl.constexpr, HAS_DHC: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr,
                                     BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
         """mHC, BLOCK_T tokens: ``_width_backward_kernel``'s three steps with the logits per token, the gates'
         sigmoid, and each stream's dh against W's rows for that stream."""
@@ -1729,6 +1736,8 @@ if triton is not None:
                 a_s = tl.sum(tl.where(jj[None, :] == s, a, 0.0), axis=1)
                 dh = a_s[:, None] * d_inp + tl.dot(gl, wt.to(tl.float32), input_precision=PRECISION) \
                     - coef[:, None] * x
+                if HAS_DHC:
+                    dh += tl.load(DHC + (tok[:, None] * n + s) * d + c[None, :], mask=m, other=0.0).to(tl.float32)
                 tl.store(DH + (tok[:, None] * n + s) * d + c[None, :], dh.to(DH.dtype.element_ty), mask=m)
 
 
@@ -1757,7 +1766,7 @@ def _width_shapes(h: Tensor, k: int, flat: bool) -> Tuple[tuple, tuple]:
 
 
 def _width_forward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, eps, in_eps, flat):
-    """(logits fp32, rstd fp32, input (..., d) in h's dtype, the input's rstd (...) fp32)."""
+    """(logits fp32, rstd fp32, input (..., d) in h's dtype, the input's rstd (...) fp32, h's contiguous copy)."""
     n, d = h.shape[-2:]
     wp = _folded(proj, proj_weight)
     k = wp.shape[-1]
@@ -1769,7 +1778,8 @@ def _width_forward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, eps,
         inp = (a0[..., None] * h.float()).sum(-2)
         rin = torch.rsqrt(inp.pow(2).mean(-1) + in_eps)
         out = inp * rin[..., None]
-        return logits, rstd, (out if in_weight is None else out * in_weight.float()).to(h.dtype), rin
+        return (logits, rstd, (out if in_weight is None else out * in_weight.float()).to(h.dtype), rin,
+                h.clone(memory_format=torch.contiguous_format))
     hv, h_tok, h_str = _streams_view(h)
     tokens = hv.shape[0]
     wp, a_static, a_scale, in_weight = _width_params(wp, a_static, a_scale, in_weight)
@@ -1778,16 +1788,19 @@ def _width_forward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, eps,
     rstd = torch.empty(rstd_shape, dtype=torch.float32, device=h.device)
     inp = torch.empty((*h.shape[:-2], d), dtype=h.dtype, device=h.device)
     rin = torch.empty(h.shape[:-2], dtype=torch.float32, device=h.device)
+    copy = torch.empty(h.shape, dtype=h.dtype, device=h.device)
     kernel = _flat_width_forward_kernel if flat else _width_forward_kernel
     kernel[(triton.cdiv(tokens, _WIDTH_BLOCK_T),)](
-        hv, wp, a_static, a_scale, in_weight if in_weight is not None else rin, logits, rstd, inp, rin, tokens, n, d,
-        k, h_tok, h_str, eps, in_eps, HAS_WIN=in_weight is not None, **_width_sizes(k, n, h))
-    return logits, rstd, inp, rin
+        hv, copy, wp, a_static, a_scale, in_weight if in_weight is not None else rin, logits, rstd, inp, rin, tokens,
+        n, d, k, h_tok, h_str, eps, in_eps, HAS_WIN=in_weight is not None, **_width_sizes(k, n, h))
+    return logits, rstd, inp, rin, copy
 
 
-def _width_backward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp, flat):
-    """(dh in h's dtype, the logits' whole gradient fp32, d a (..., n) fp32, the input norm's weight gradient as
-    fp32 partial sums (programs, d), or (0, d) without the weight)."""
+def _width_backward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp, dcopy,
+                         flat):
+    """(dh in h's dtype, with the copy's gradient ``dcopy`` (or None) added, the logits' whole gradient fp32, d a
+    (..., n) fp32, the input norm's weight gradient as fp32 partial sums (programs, d), or (0, d) without the
+    weight)."""
     n, d = h.shape[-2:]
     wp = _folded(proj, proj_weight)
     k = wp.shape[-1]
@@ -1797,7 +1810,7 @@ def _width_backward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, log
         pwin = h.new_zeros((_width_programs(h, in_weight), d), dtype=torch.float32)
         if dwin is not None:  # the whole sum in the first program's place, zeros in the others' (the kernel's shape)
             pwin[:1] = dwin
-        return dh.to(h.dtype), dlt, da0, pwin
+        return (dh if dcopy is None else dh + dcopy.float()).to(h.dtype), dlt, da0, pwin
     hv, h_tok, h_str = _streams_view(h)
     tokens = hv.shape[0]
     programs = triton.cdiv(tokens, _WIDTH_BLOCK_T)
@@ -1809,16 +1822,16 @@ def _width_backward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, log
     kernel = _flat_width_backward_kernel if flat else _width_backward_kernel
     kernel[(programs,)](
         hv, wp, a_static, a_scale, in_weight if in_weight is not None else rin, logits.contiguous(),
-        rstd.contiguous(), rin.contiguous(), dlog.float().contiguous(), dinp.contiguous(), dh, dlt, da0,
-        pwin if in_weight is not None else rin, tokens, n, d, k, h_tok, h_str, HAS_WIN=in_weight is not None,
-        **_width_sizes(k, n, h))
+        rstd.contiguous(), rin.contiguous(), dlog.float().contiguous(), dinp.contiguous(),
+        dcopy.contiguous() if dcopy is not None else rin, dh, dlt, da0, pwin if in_weight is not None else rin, tokens,
+        n, d, k, h_tok, h_str, HAS_WIN=in_weight is not None, HAS_DHC=dcopy is not None, **_width_sizes(k, n, h))
     return dh.view(h.shape), dlt, da0, pwin
 
 
 @torch.library.custom_op(f"{NAMESPACE}::width_forward", mutates_args=())
 def _width_forward(h: Tensor, proj: Tensor, proj_weight: Opt, a_static: Tensor, a_scale: Tensor, in_weight: Opt,
-                   eps: float, in_eps: float, flat: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """(logits fp32, rstd fp32, input (..., d) in h's dtype, the input's rstd (...) fp32)."""
+                   eps: float, in_eps: float, flat: bool) -> Tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(logits fp32, rstd fp32, input (..., d) in h's dtype, the input's rstd (...) fp32, h's copy)."""
     return _width_forward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, eps, in_eps, flat)
 
 
@@ -1827,33 +1840,34 @@ def _(h, proj, proj_weight, a_static, a_scale, in_weight, eps, in_eps, flat):
     log_shape, rstd_shape = _width_shapes(h, proj.shape[-1], flat)
     f32 = torch.float32
     return (h.new_empty(log_shape, dtype=f32), h.new_empty(rstd_shape, dtype=f32),
-            h.new_empty((*h.shape[:-2], h.shape[-1])), h.new_empty(h.shape[:-2], dtype=f32))
+            h.new_empty((*h.shape[:-2], h.shape[-1])), h.new_empty(h.shape[:-2], dtype=f32), h.new_empty(h.shape))
 
 
 @torch.library.custom_op(f"{NAMESPACE}::width_backward", mutates_args=())
 def _width_backward(h: Tensor, proj: Tensor, proj_weight: Opt, a_static: Tensor, a_scale: Tensor, in_weight: Opt,
-                    logits: Tensor, rstd: Tensor, rin: Tensor, dlog: Tensor, dinp: Tensor, flat: bool) -> List[Tensor]:
+                    logits: Tensor, rstd: Tensor, rin: Tensor, dlog: Tensor, dinp: Tensor, dcopy: Opt,
+                    flat: bool) -> List[Tensor]:
     """(dh, the logits' whole gradient, d a per token, the input norm weight's partial sums) (one kernel)."""
     return list(_width_backward_impl(h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin, dlog,
-                                     dinp, flat))
+                                     dinp, dcopy, flat))
 
 
 @_width_backward.register_fake
-def _(h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp, flat):
+def _(h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin, dlog, dinp, dcopy, flat):
     return [h.new_empty(h.shape), logits.new_empty(logits.shape), rin.new_empty((*h.shape[:-2], h.shape[-2])),
             rin.new_empty((_width_programs(h, in_weight), h.shape[-1]))]
 
 
 def _width_setup(ctx, inputs, output):
-    h, proj, proj_weight, a_static, a_scale, in_weight, _eps, _in_eps, flat = inputs
-    logits, rstd, _inp, rin = output
-    # h, the parameters, and a few fp32 numbers a token
-    ctx.save_for_backward(h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin)
+    _h, proj, proj_weight, a_static, a_scale, in_weight, _eps, _in_eps, flat = inputs
+    logits, rstd, _inp, rin, copy = output
+    # h's copy (which the depth connection keeps: h itself is kept by nobody), the parameters, a few fp32 a token
+    ctx.save_for_backward(copy, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin)
     ctx.flat = flat
     ctx.set_materialize_grads(False)
 
 
-def _width_backward_autograd(ctx, dlog, _drstd, dinp, _drin):
+def _width_backward_autograd(ctx, dlog, _drstd, dinp, _drin, dcopy):
     h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin = ctx.saved_tensors
     flat = ctx.flat
     if dinp is None:
@@ -1861,7 +1875,7 @@ def _width_backward_autograd(ctx, dlog, _drstd, dinp, _drin):
     if dlog is None:
         dlog = torch.zeros_like(logits)
     dh, dlt, da0, pwin = _width_backward(h, proj, proj_weight, a_static, a_scale, in_weight, logits, rstd, rin, dlog,
-                                         dinp, flat)
+                                         dinp, dcopy, flat)
     n = h.shape[-2]
     dproj = dpw = None
     if ctx.needs_input_grad[1] or ctx.needs_input_grad[2]:  # d(w P) summed over the rows, then to P and w
@@ -1893,26 +1907,33 @@ def _width_call(h, proj, a_static, a_scale, in_weight, proj_weight, eps, in_eps,
                          f"{tuple(proj.shape)}, {tuple(a_static.shape)}, {tuple(a_scale.shape)}, "
                          f"{None if in_weight is None else tuple(in_weight.shape)}, "
                          f"{None if proj_weight is None else tuple(proj_weight.shape)}")
-    logits, _rstd, inp, _rin = _width_forward(h, proj, proj_weight, a_static, a_scale.reshape(1), in_weight,
-                                              float(eps), float(in_eps), flat)
-    return logits, inp
+    logits, _rstd, inp, _rin, copy = _width_forward(h, proj, proj_weight, a_static, a_scale.reshape(1), in_weight,
+                                                    float(eps), float(in_eps), flat)
+    return logits, inp, copy
 
 
 def hc_width(h: Tensor, proj: Tensor, a_static: Tensor, a_scale: Tensor, in_weight: Optional[Tensor] = None, *,
-             proj_weight: Optional[Tensor] = None, eps: float = 1e-5, in_eps: float = 1e-5) -> Tuple[Tensor, Tensor]:
+             proj_weight: Optional[Tensor] = None, eps: float = 1e-5, in_eps: float = 1e-5
+             ) -> Tuple[Tensor, Tensor, Tensor]:
     """``width_reference`` for hc as one op each way (``siamesenorm::width_forward`` / ``_backward``): (the logits
-    (..., n, k), the sublayer's normalised input). One kernel reads the streams once (its passes over a program's
-    rows after the first come from cache) for the logits, the input coefficients, the input and its norm, and
-    writes the input once, where the projection, the input's sum and its norm were three kernels that read the
-    streams twice and wrote the unnormalised input; backward one kernel writes dh once (reading h, d input and the
-    logits' gradient from the caller's own small ops) and dW's kernel (``rms_project``'s) reads h once more.
-    Autograd keeps h, the parameters and a few fp32 numbers a stream and token: the input is never kept or
-    recomputed, nor w P (the ops fold the norm's weight into the projection themselves)."""
+    (..., n, k), the sublayer's normalised input, a copy of h). One kernel reads the streams once (its passes over
+    a program's rows after the first come from cache) for the logits, the input coefficients, the input and its
+    norm, and writes the input once, where the projection, the input's sum and its norm were three kernels that
+    read the streams twice and wrote the unnormalised input; backward one kernel writes dh once (reading h, d input
+    and the logits' gradient from the caller's own small ops) and dW's kernel (``rms_project``'s) reads h once more.
+
+    The copy, written in the same pass, is for the depth connection to read in h's place: then h has one consumer,
+    this op, whose backward adds the copy's gradient (the depth connection's) into dh in its own kernel, where
+    autograd would sum two gradients of h in a kernel of its own (read 2n passes, write n; the copy costs n forward
+    and n read backward). Autograd keeps the copy in h's place (h itself is then kept by nobody: no more memory),
+    the parameters and a few fp32 numbers a stream and token: the input is never kept or recomputed, nor w P (the
+    ops fold the norm's weight into the projection themselves)."""
     return _width_call(h, proj, a_static, a_scale, in_weight, proj_weight, eps, in_eps, False, "hc_width")
 
 
 def mhc_width(h: Tensor, proj: Tensor, a_static: Tensor, a_scale: Tensor, in_weight: Optional[Tensor] = None, *,
-              proj_weight: Optional[Tensor] = None, eps: float = 1e-5, in_eps: float = 1e-5) -> Tuple[Tensor, Tensor]:
+              proj_weight: Optional[Tensor] = None, eps: float = 1e-5, in_eps: float = 1e-5
+              ) -> Tuple[Tensor, Tensor, Tensor]:
     """``width_reference`` for mHC (``flat``: the logits (..., k) over the flattened streams, the input gates
     sigmoid(a_scale L[s] + a_static[s]) from the first n) as ``hc_width``'s one op each way."""
     return _width_call(h, proj, a_static, a_scale, in_weight, proj_weight, eps, in_eps, True, "mhc_width")
@@ -2468,17 +2489,18 @@ def check(device: str = "cpu", d: int = 48, rows: Tuple[int, int] = (2, 5), tol:
             continue
         seen.append(case)
         # the caller reads the logits' other columns (hc: after each stream's first; mHC: after the n gates)
-        if not agree(lambda: _width_probe(width_reference(h, proj, a_static, a_scale, in_weight, 1e-5, 1e-6, flat,
-                                                          **kw), n, flat),
+        # the copy read downstream, as the depth connection reads it: its gradient returns into the op's backward
+        if not agree(lambda: _width_probe((*width_reference(h, proj, a_static, a_scale, in_weight, 1e-5, 1e-6, flat,
+                                                            **kw), h), n, flat),
                      lambda: _width_probe((mhc_width if flat else hc_width)(h, proj, a_static, a_scale, in_weight,
                                                                             eps=1e-5, in_eps=1e-6, **kw), n, flat),
                      [t for t in (base, proj, kw["proj_weight"], a_static, a_scale, in_weight) if t is not None],
-                     (k - n if flat else n * (k - 1), d)):
+                     (k - n if flat else n * (k - 1), d, n * d)):
             bad.append(case)
     return bad
 
 
 def _width_probe(outputs, n, flat):
-    """(the logits' columns the caller reads, flattened per token; the input)."""
-    logits, inp = outputs
-    return (logits[..., n:] if flat else logits[..., 1:].flatten(-2)), inp
+    """(the logits' columns the caller reads, flattened per token; the input; the streams' copy, flattened)."""
+    logits, inp, copy = outputs
+    return (logits[..., n:] if flat else logits[..., 1:].flatten(-2)), inp, copy.flatten(-2)

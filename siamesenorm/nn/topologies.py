@@ -651,20 +651,22 @@ class HyperConnection(_Connection):
         return self.fused and self.dynamic and self.mixes_in_op
 
     def width_normed(self, h: torch.Tensor, in_weight: Optional[torch.Tensor], in_eps: float
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``width`` with the branch's Pre-Norm, an RMSNorm of weight ``in_weight`` (or none) and ``in_eps``, applied
         to the branch input, as one op each way (siamesenorm/nn/fused.py ``hc_width``): the streams read once for the
         coefficients' logits, the input and its norm; the normalised input written once, in h's dtype (the input
         coefficients stay fp32, where ``width`` rounds them to h's dtype before the sum). Returns (normalised input,
-        m (..., n, n) fp32, B (..., n) fp32); ``normalizes_input`` says when it applies."""
+        m (..., n, n) fp32, B (..., n) fp32, h's copy), the copy for ``depth`` to read in h's place (then h has one
+        consumer, the op, which adds the depth's gradient into dh itself); ``normalizes_input`` says when it
+        applies."""
         weight, eps = getattr(self.norm, "weight", None), getattr(self.norm, "eps", None)
         eps = torch.finfo(torch.float32).eps if eps is None else eps  # nn.RMSNorm's default
         proj = torch.cat([self.dynamic_alpha_fn, self.dynamic_beta_fn[:, None]], dim=-1)  # (d, 1 + n + 1)
-        logits, inp = hc_width(h, proj, self.static_alpha[:, 0], self.dynamic_alpha_scale, in_weight,
-                               proj_weight=weight, eps=eps, in_eps=in_eps)
+        logits, inp, copy = hc_width(h, proj, self.static_alpha[:, 0], self.dynamic_alpha_scale, in_weight,
+                                     proj_weight=weight, eps=eps, in_eps=in_eps)
         alpha = self.static_alpha[:, 1:] + self.dynamic_alpha_scale * torch.tanh(logits[..., 1:-1])
         beta = self.static_beta + self.dynamic_beta_scale * torch.tanh(logits[..., -1])
-        return inp, alpha.transpose(-1, -2), beta
+        return inp, alpha.transpose(-1, -2), beta, copy
 
     def width(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """h: (..., n, d) -> branch input (..., d), carried streams (..., n, d), B (..., n); in h's dtype.
@@ -780,25 +782,25 @@ class ManifoldHyperConnection(_Connection):
         return self.fused
 
     def width_normed(self, h: torch.Tensor, in_weight: Optional[torch.Tensor], in_eps: float
-                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``width`` with the branch's Pre-Norm (an RMSNorm of weight ``in_weight`` or none, ``in_eps``) applied to
         the branch input, the logits, H_pre, the input and its norm as one op each way (siamesenorm/nn/fused.py
         ``mhc_width``: the flattened streams read once, the normalised input written once; H_pre stays fp32 where
         ``width`` rounds it to h's dtype before the sum); H_post and H_res from the other logits as ``coefficients``
-        computes them."""
+        computes them, and h's copy for ``depth`` (as hc's ``width_normed``)."""
         n = self.n
         weight, eps = getattr(self.norm, "weight", None), getattr(self.norm, "eps", None)
         eps = torch.finfo(torch.float32).eps if eps is None else eps  # nn.RMSNorm's default
         with torch.autocast(device_type=h.device.type, enabled=False):
             g = self.gates.float()
-            logits, inp = mhc_width(h, self.proj, self.bias_pre, g[0], in_weight, proj_weight=weight, eps=eps,
-                                    in_eps=in_eps)
+            logits, inp, copy = mhc_width(h, self.proj, self.bias_pre, g[0], in_weight, proj_weight=weight, eps=eps,
+                                          in_eps=in_eps)
             post = 2.0 * torch.sigmoid(g[1] * logits[..., n : 2 * n] + self.bias_post.float())
             res_logits = g[2] * logits[..., 2 * n :].unflatten(-1, (n, n)) + self.bias_res.float()
             res = fused_sinkhorn(res_logits, self.iterations, self.order == "columns_first")
         if self.mixes_in_op:
-            return inp, res, post
-        return inp, _mix_streams(h, res.to(h.dtype), "js"), post.to(h.dtype)
+            return inp, res, post, copy
+        return inp, _mix_streams(copy, res.to(h.dtype), "js"), post.to(h.dtype), copy
 
     def width(self, h: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """-> branch input (..., d), mixed streams H_res H (..., n, d), H_post (..., n), in h's dtype; fused:

@@ -289,9 +289,9 @@ class ConnectedStreamsBlock(TopologyBlock):
         attn_conn, ff_conn = (getattr(self, name) for name in self.connection_names)
         for conn, branch, pre_norm in ((attn_conn, attention, self.attn_norm), (ff_conn, self.mlp, self.ff_norm)):
             if self.fused_streams and getattr(conn, "normalizes_input", False):
-                # hc fused: the width connection with the branch's Pre-Norm is one op that keeps only h (and the
-                # coefficients' fp32 logits): nothing to recompute
-                inp, carried, weights = conn.width_normed(h, self.weight(pre_norm), self.config.layer_norm_eps)
+                # fused: the width connection with the branch's Pre-Norm is one op that keeps only h's copy (and the
+                # coefficients' fp32 logits): nothing to recompute; the depth connection reads the copy
+                inp, carried, weights, h = conn.width_normed(h, self.weight(pre_norm), self.config.layer_norm_eps)
             else:
                 # the width connection and the branch's Pre-Norm as one cheap part: backward keeps only h
                 inp, carried, weights = self.cheap(

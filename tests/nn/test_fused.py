@@ -117,10 +117,10 @@ def test_the_width_ops_refuse_mismatched_shapes_in_one_line():
         with pytest.raises(ValueError, match=f"{call.__name__} takes h") as raised:
             call(h, proj, torch.zeros(4), torch.zeros(1))
         assert "\n" not in str(raised.value)
-    logits, inp = fused.mhc_width(h + 1, torch.zeros(32, 24), torch.zeros(4), torch.zeros(1))
-    assert logits.shape == (2, 3, 24) and inp.shape == (2, 3, 8)
-    logits, inp = fused.hc_width(h + 1, torch.zeros(8, 6), torch.zeros(4), torch.zeros(1))
-    assert logits.shape == (2, 3, 4, 6) and inp.shape == (2, 3, 8)
+    logits, inp, copy = fused.mhc_width(h + 1, torch.zeros(32, 24), torch.zeros(4), torch.zeros(1))
+    assert logits.shape == (2, 3, 24) and inp.shape == (2, 3, 8) and torch.equal(copy, h + 1)
+    logits, inp, copy = fused.hc_width(h + 1, torch.zeros(8, 6), torch.zeros(4), torch.zeros(1))
+    assert logits.shape == (2, 3, 4, 6) and inp.shape == (2, 3, 8) and torch.equal(copy, h + 1)
 
 
 def test_the_check_catches_a_wrong_backward(monkeypatch):
