@@ -1287,7 +1287,8 @@ _PROJECT_DW_PROGRAMS = 256  # dW: about this many (feature chunk, row split) pro
 #: the values set here, with _ROWS_PER_PROGRAM, _HEAD_WARPS, _SINKHORN_* and _MIX_BLOCK_T above, are what every
 #: check and count uses).
 TUNABLES = ("_ROWS_PER_PROGRAM", "_HEAD_WARPS", "_PROJECT_BLOCK_R", "_PROJECT_BLOCK_N", "_PROJECT_DX_CHUNKS",
-            "_PROJECT_DW_PROGRAMS", "_SINKHORN_BLOCK_T", "_SINKHORN_WARPS", "_SINKHORN_SEGMENT", "_MIX_BLOCK_T")
+            "_PROJECT_DW_PROGRAMS", "_SINKHORN_BLOCK_T", "_SINKHORN_WARPS", "_SINKHORN_SEGMENT", "_MIX_BLOCK_T",
+            "_WIDTH_BLOCK_T", "_WIDTH_BLOCK_D")
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -1741,7 +1742,9 @@ if triton is not None:
                 tl.store(DH + (tok[:, None] * n + s) * d + c[None, :], dh.to(DH.dtype.element_ty), mask=m)
 
 
-_WIDTH_BLOCK_T, _WIDTH_BLOCK_D = 16, 64  # tokens a program (with all their streams); features a chunk
+#: The width ops' tokens a program (with all their streams; at least 16, mHC's products' smallest side) and features
+#: a chunk; tunable (``TUNABLES``).
+_WIDTH_BLOCK_T, _WIDTH_BLOCK_D = 16, 64
 
 
 def _width_sizes(k: int, n: int, h: Tensor) -> dict:

@@ -513,7 +513,9 @@ KERNEL_OPS = {"_forward_kernel": "stream_forward", "_backward_kernel": "stream_b
               "_project_forward_kernel": "project_forward", "_project_dx_kernel": "project_backward_x",
               "_project_dw_kernel": "project_backward_w", "_sinkhorn_forward_kernel": "sinkhorn_forward",
               "_sinkhorn_backward_kernel": "sinkhorn_backward", "_mix_forward_kernel": "stream_mix_forward",
-              "_mix_backward_kernel": "stream_mix_backward"}
+              "_mix_backward_kernel": "stream_mix_backward", "_width_forward_kernel": "width_forward",
+              "_width_backward_kernel": "width_backward", "_flat_width_forward_kernel": "width_forward",
+              "_flat_width_backward_kernel": "width_backward"}
 
 
 def kernel_bandwidth(profiled: Dict, by_op: Dict[str, Dict[str, Dict[str, list]]], gbps: float) -> str:
@@ -547,7 +549,8 @@ KERNEL_CANDIDATES = ({}, {"_ROWS_PER_PROGRAM": 16}, {"_ROWS_PER_PROGRAM": 32}, {
                      {"_ROWS_PER_PROGRAM": 16, "_HEAD_WARPS": 8}, {"_PROJECT_BLOCK_R": 16}, {"_PROJECT_BLOCK_N": 128}, {"_PROJECT_DX_CHUNKS": 1},
                      {"_PROJECT_DX_CHUNKS": 16}, {"_PROJECT_DW_PROGRAMS": 1024}, {"_PROJECT_DW_PROGRAMS": 4096},
                      {"_SINKHORN_BLOCK_T": 16}, {"_SINKHORN_BLOCK_T": 16, "_SINKHORN_WARPS": 1},
-                     {"_SINKHORN_BLOCK_T": 8, "_SINKHORN_WARPS": 1}, {"_MIX_BLOCK_T": 8}, {"_MIX_BLOCK_T": 32})
+                     {"_SINKHORN_BLOCK_T": 8, "_SINKHORN_WARPS": 1}, {"_MIX_BLOCK_T": 8}, {"_MIX_BLOCK_T": 32},
+                     {"_WIDTH_BLOCK_T": 32}, {"_WIDTH_BLOCK_D": 128}, {"_WIDTH_BLOCK_D": 32})
 
 
 def tune_kernels(settings: BenchSettings, candidates: Sequence[Dict[str, int]] = KERNEL_CANDIDATES,
