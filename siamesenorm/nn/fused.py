@@ -34,10 +34,12 @@ writes the mixed streams, the n scaled copies of F and their sum; backward keeps
 reads the streams once in their own dtype for the product (fp32 accumulation) and rstd, where eager writes an fp32
 copy (or the normalised one) and reads it; backward one kernel for dx and one for dW.
 
-``hc_width`` is hc's width connection with its branch's Pre-Norm: the coefficients' logits (``rms_project``'s
-product, per stream), the input coefficients, the branch input and its RMSNorm in one kernel that reads the streams
-once and writes the normalised input once; backward one kernel writes dh once (and dW's kernel reads the streams
-again); nothing d wide is kept or recomputed.
+``hc_width`` / ``mhc_width`` are hc's and mHC's width connection with the branch's Pre-Norm: the coefficients'
+logits (``rms_project``'s product: per stream for hc, over the flattened streams for mHC), the input coefficients,
+the branch input and its RMSNorm in one kernel that reads the streams once and writes the normalised input once,
+with a copy of the streams for the depth connection to read (so that the streams' two gradients meet in this op's
+backward kernel, not in an autograd sum); backward one kernel writes dh once (and dW's kernel reads the streams
+again); nothing d wide is recomputed, and the copy is kept in the streams' place.
 
 ``pair_mix`` is SiameseNorm with stream mixing (``siamese_mixing``): the previous sublayer's add and the two streams'
 doubly stochastic mix, p from the streams in registers (static: a learned scalar; dynamic: per token, from the
