@@ -28,11 +28,11 @@ def test_gpu_check_on_the_cpu_with_the_tiny_recipe(tmp_path):
     gen = result["generation"]
     assert gen["same_text"] and gen["checkpoint"]["stdout"].strip().startswith("It is a truth universally")
     assert result["preflight"]["timed_run"]["tokens_per_s"] > 0
-    assert result["fused"]["mismatches"] == 0 and result["fused"]["combinations"] == 376
+    assert result["fused"]["mismatches"] == 0 and result["fused"]["combinations"] == 392
     assert [(z["dtype"], z["mismatches"], z["combinations"]) for z in result["fused_sizes"]] == [
-        ("fp64", 0, 376), ("bf16", 0, 376)]
+        ("fp64", 0, 392), ("bf16", 0, 392)]
     text = report.read_text()
-    assert "0 of 376 flag combinations disagree" in text
+    assert "0 of 392 flag combinations disagree" in text
     assert "| hybrid_pre | 0, 0 | 4 | 0 | yes |" in text and "## Failures\n\nnone" in text
     assert "python scripts/gpu_check.py --recipe configs/tiny-cpu.yaml" in text
     # the timing step: benchmark.py ran fused off and on, eager and compiled, and its table is in the report
