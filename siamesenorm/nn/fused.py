@@ -1563,6 +1563,15 @@ if triton is not None:
                      mask=(tok[:, None] < tokens) & (c[None, :] < d))
 
     @triton.jit
+    def _width_chunk(H, DINP, off, live, tok, tokens, c, d, a0, BLOCK_T: tl.constexpr, N: tl.constexpr,
+                     BLOCK_D: tl.constexpr):
+        """hc's backward, one chunk of features: the rows' h, the tokens' d input and input (fp32)."""
+        x = tl.load(H + off[:, None] + c[None, :], mask=live[:, None] & (c[None, :] < d), other=0.0).to(tl.float32)
+        dy = tl.load(DINP + tok[:, None] * d + c[None, :], mask=(tok[:, None] < tokens) & (c[None, :] < d),
+                     other=0.0).to(tl.float32)
+        return x, dy, _per_token(a0[:, None] * x, BLOCK_T, N, BLOCK_D)
+
+    @triton.jit
     def _width_backward_kernel(H, W, AS, ASC, WIN, LOG, RSTD, RIN, DLOG, DINP, DHC, DH, DLT, DA, PWIN, tokens, n, d,
                                k, h_tok, h_str, HAS_WIN: tl.constexpr, HAS_DHC: tl.constexpr, BLOCK_T: tl.constexpr, N: tl.constexpr,
                                BLOCK_D: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -1583,10 +1592,7 @@ if triton is not None:
         s1 = tl.zeros([BLOCK_T], tl.float32)
         for c0 in range(0, d, BLOCK_D):
             c = c0 + tl.arange(0, BLOCK_D)
-            x = tl.load(H + off[:, None] + c[None, :], mask=live[:, None] & (c[None, :] < d), other=0.0).to(tl.float32)
-            dy = tl.load(DINP + tok[:, None] * d + c[None, :], mask=(tok[:, None] < tokens) & (c[None, :] < d),
-                         other=0.0).to(tl.float32)
-            inp = _per_token(a0[:, None] * x, BLOCK_T, N, BLOCK_D)
+            x, dy, inp = _width_chunk(H, DINP, off, live, tok, tokens, c, d, a0, BLOCK_T, N, BLOCK_D)
             if HAS_WIN:
                 tl.store(PWIN + pid * d + c, tl.sum(dy * inp * rin[:, None], axis=0), mask=c < d)
             s1 += tl.sum(_in_weighted(dy, WIN, c, d, HAS_WIN) * inp, axis=1)
@@ -1596,10 +1602,7 @@ if triton is not None:
         da = tl.zeros([BLOCK_T * N], tl.float32)
         for c0 in range(0, d, BLOCK_D):
             c = c0 + tl.arange(0, BLOCK_D)
-            x = tl.load(H + off[:, None] + c[None, :], mask=live[:, None] & (c[None, :] < d), other=0.0).to(tl.float32)
-            dy = tl.load(DINP + tok[:, None] * d + c[None, :], mask=(tok[:, None] < tokens) & (c[None, :] < d),
-                         other=0.0).to(tl.float32)
-            inp = _per_token(a0[:, None] * x, BLOCK_T, N, BLOCK_D)
+            x, dy, inp = _width_chunk(H, DINP, off, live, tok, tokens, c, d, a0, BLOCK_T, N, BLOCK_D)
             d_inp = rin[:, None] * (_in_weighted(dy, WIN, c, d, HAS_WIN) - inp * cf[:, None])
             da += tl.sum(_per_row(d_inp, BLOCK_T, N, BLOCK_D) * x, axis=1)
         da = tl.where(live, da, 0.0)
@@ -1612,11 +1615,8 @@ if triton is not None:
         gl = dlt * rstd[:, None]
         for c0 in range(0, d, BLOCK_D):
             c = c0 + tl.arange(0, BLOCK_D)
-            x = tl.load(H + off[:, None] + c[None, :], mask=live[:, None] & (c[None, :] < d), other=0.0).to(tl.float32)
-            dy = tl.load(DINP + tok[:, None] * d + c[None, :], mask=(tok[:, None] < tokens) & (c[None, :] < d),
-                         other=0.0).to(tl.float32)
+            x, dy, inp = _width_chunk(H, DINP, off, live, tok, tokens, c, d, a0, BLOCK_T, N, BLOCK_D)
             g = _in_weighted(dy, WIN, c, d, HAS_WIN)
-            inp = _per_token(a0[:, None] * x, BLOCK_T, N, BLOCK_D)
             d_inp = _per_row(rin[:, None] * (g - inp * cf[:, None]), BLOCK_T, N, BLOCK_D)
             wt = tl.load(W + c[None, :] * k + kk[:, None], mask=(c[None, :] < d) & (kk[:, None] < k), other=0.0)
             dh = a0[:, None] * d_inp + tl.dot(gl, wt.to(tl.float32), input_precision=PRECISION) - coef[:, None] * x
