@@ -13,7 +13,8 @@ Modifications Still Do Not Transfer at 1-3B", arXiv 2605.20798, at CPU scale):
    **Welch's t** on the seeds' PPLs (two-sided), the p-values **Holm-corrected** for the number of comparisons
    made; a verdict "beyond the noise floor" (corrected p < ``ALPHA``) or "within it";
 5. **learning-rate tolerance**: at every rate above the best that the sweep ran (the issue asks 2x and 4x; the
-   grid's own steps are about 3x), how many seeds diverged, how many finished without converging (the record's
+   grid's own steps are about 3x), the mean PPL there and its rise over the best rate's on the seeds both ran
+   (how much a design loses when its rate is set too high), how many seeds diverged, how many finished without converging (the record's
    ``converged``: final loss not below the unigram loss) and the mean count of loss spikes.
 
 Cells come from one or more sweeps' results folders (``studies/*/results``); a configuration's key is the cell
@@ -173,6 +174,13 @@ def _rate_summary(seeds: Dict[int, Dict]) -> Dict:
             "loss_spikes": statistics.mean(s["loss_spikes"] for s in seeds.values())}
 
 
+def _increase(higher: Dict[int, Dict], best: Dict[int, Dict]) -> Optional[float]:
+    shared = sorted(set(higher) & set(best))
+    if not shared or any(higher[k]["diverged"] or best[k]["diverged"] for k in shared):
+        return None
+    return statistics.mean(higher[k]["ppl"] - best[k]["ppl"] for k in shared)
+
+
 def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_seeds: int = MIN_SEEDS,
                     reference: str = "pre") -> Dict:
     """Every configuration's best rate, seeds, noise and tolerance, and every comparison with Pre-Norm under the
@@ -191,7 +199,9 @@ def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_see
         best = min(chosen_on, key=chosen_on.get) if eligible else None
         tolerance = [] if best is None else [
             {"lr": lr, "multiple": lr / best, "seeds": len(s["seeds"]), "diverged": s["diverged"],
-             "not_converged": s["not_converged"], "loss_spikes": s["loss_spikes"]} for lr, s in summaries.items() if lr > best]
+             "not_converged": s["not_converged"], "loss_spikes": s["loss_spikes"], "mean": s["mean"],
+             # PPL above the best rate's on the same seeds (None where a seed diverged or the rates share none)
+             "increase": _increase(rates[lr], rates[best])} for lr, s in summaries.items() if lr > best]
         configurations[key] = {"rates": {f"{lr:g}": s for lr, s in summaries.items()},
                                "best_lr": best, "best": summaries.get(best), "tolerance": tolerance,
                                "chosen_on_seeds": sorted(shared) if shared else "all",
@@ -237,6 +247,10 @@ def _num(value: Optional[float], digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
+def _signed(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value:+.2f}"
+
+
 def _lr(value: Optional[float]) -> str:
     return "-" if value is None else f"{value:g}"
 
@@ -265,14 +279,15 @@ def to_markdown(report: Dict) -> str:
                      f"{_num(best.get('mean'))} ± {_num(best.get('sd'))} | {_lr(row.get('baseline_lr'))}, "
                      f"{len(base.get('seeds', []))}, {_num(base.get('mean'))} | {_num(row.get('difference'))} | {t} | "
                      f"{_p(row.get('p'))} | {_p(row.get('p_holm'))} | {row['verdict']} |")
-    lines += ["", "Learning-rate tolerance above each configuration's best rate: seeds that diverged (the guard "
-                  "stopped them), seeds that finished without converging (final loss not below the unigram loss), "
-                  "each of the seeds run, and the mean count of loss spikes a run:", "",
-              "| configuration | best lr | above the best: lr (x best): diverged, not converged, spikes |",
-              "| --- | --- | --- |"]
+    lines += ["", "Learning-rate tolerance above each configuration's best rate: the mean PPL there and how far above "
+                  "the best rate's it is on the same seeds, seeds that diverged (the guard stopped them), seeds that "
+                  "finished without converging (final loss not below the unigram loss), each of the seeds run, and "
+                  "the mean count of loss spikes a run:", "",
+              "| configuration | best lr | above the best: lr (x best): PPL (+ over the best), diverged, not converged, "
+              "spikes |", "| --- | --- | --- |"]
     for key, conf in confs.items():
-        cells = "; ".join(f"{t['lr']:g} (x{t['multiple']:.1f}): {t['diverged']}/{t['seeds']}, "
-                          f"{t['not_converged']}/{t['seeds']}, {t['loss_spikes']:.1f}"
+        cells = "; ".join(f"{t['lr']:g} (x{t['multiple']:.1f}): {_num(t.get('mean'))} ({_signed(t.get('increase'))}), "
+                          f"{t['diverged']}/{t['seeds']}, {t['not_converged']}/{t['seeds']}, {t['loss_spikes']:.1f}"
                           for t in conf["tolerance"]) or "no higher rate run"
         lines.append(f"| {key} | {_lr(conf['best_lr'])} | {cells} |")
     return "\n".join(lines) + "\n"

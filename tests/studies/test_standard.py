@@ -78,7 +78,12 @@ def test_verdicts_follow_the_standard(tmp_path):
     tolerance = report["configurations"]["good"]["tolerance"]
     assert [(t["multiple"], t["diverged"], t["seeds"]) for t in tolerance] == [(pytest.approx(1 / 0.3), 1, 1)]
     assert report["configurations"]["pre"]["tolerance"][0]["loss_spikes"] == pytest.approx(2.0)
+    # the PPL at the higher rate and its rise over the best rate's on the same seeds; none where a seed diverged
+    assert report["configurations"]["pre"]["tolerance"][0]["mean"] == pytest.approx(42.0667, abs=1e-3)
+    assert report["configurations"]["pre"]["tolerance"][0]["increase"] == pytest.approx(2.0)
+    assert tolerance[0]["mean"] is None and tolerance[0]["increase"] is None
     page = to_markdown(report)
+    assert "| pre | 0.01 | 0.03 (x3.0): 42.07 (+2.00), 0/3, 0/3, 2.0 |" in page
     assert "| good | 0.03 | 3 |" in page and "beyond the noise floor" in page
     assert report["configurations"]["good"]["chosen_on_seeds"] == [1, 2, 3]
 
