@@ -10,6 +10,8 @@
   ... --standard --against hybrid_pre ...
   (the same standard with SiameseNorm in Pre-Norm's place: every other configuration, Pre-Norm included, against
   hybrid_pre at its shape; standard-vs-hybrid_pre.json and .md)
+  ... --standard [--against hybrid_pre] --page studies/cpu-2026-field/README.md
+  (also writes the verdicts by shape into the page, between its two markers: standard.page_markers)
 """
 
 import argparse
@@ -33,6 +35,9 @@ def main(argv=None) -> int:
                         help="with --standard: more results folders, pooled with the first")
     parser.add_argument("--against", default="pre", metavar="MODEL_TYPE",
                         help="with --standard: the MODEL_TYPE every configuration is compared with (default pre)")
+    parser.add_argument("--page", metavar="README",
+                        help="with --standard: rewrite the verdicts-by-shape table between the page's markers "
+                             "(siamesenorm/studies/standard.py: page_markers)")
     args = parser.parse_args(argv)
     for folder in [args.results] + args.also:
         if not Path(folder).is_dir():
@@ -56,11 +61,21 @@ def _report(args) -> int:
             raise ValueError(f"--against {args.against}: no cell of that MODEL_TYPE in the results; name one the "
                              f"sweep ran ({', '.join(ran)})")
         stem = "standard" if args.against == "pre" else f"standard-vs-{args.against}"
+        page = None
+        if args.page:  # checked before anything is written
+            if not Path(args.page).is_file():
+                raise ValueError(f"--page {args.page}: no such file; name the study's README.md")
+            page = standard.update_page(Path(args.page).read_text(), summary, args.page)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
         (out / f"{stem}.md").write_text(standard.to_markdown(summary))
         if args.against == "pre":
             print(f"wrote {standard.figure(summary, out, args.format)}")
+        if page is not None:
+            tmp = Path(args.page).with_name(Path(args.page).name + ".tmp")
+            tmp.write_text(page)
+            tmp.replace(args.page)
+            print(f"wrote the verdicts by shape into {args.page}")
         judged = sum(not r["verdict"].startswith("not judged") for r in summary["comparisons"])
         print(f"wrote {out / (stem + '.json')} and {out / (stem + '.md')} ({len(summary['comparisons'])} "
               f"comparisons with {standard.display_name(args.against)}, {judged} judged)")

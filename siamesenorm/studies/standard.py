@@ -259,10 +259,79 @@ def _p(value: Optional[float]) -> str:
     return "-" if value is None else (f"{value:.3f}" if value >= 1e-3 else f"{value:.1e}")
 
 
-def to_markdown(report: Dict) -> str:
-    """The verdict table and the learning-rate tolerance table."""
+def _shape_of(key: str) -> Tuple[str, Tuple[int, int]]:
+    """(the key without its shape parts, (n_layers, d_model) or (0, 0) for the recipe's own shape)."""
+    method, parts = _parts(key)
+    shape = dict(p.split("=", 1) for p in parts if p.split("=", 1)[0] in SHAPE_KEYS)
+    rest = [p for p in parts if p.split("=", 1)[0] not in SHAPE_KEYS]
+    size = (int(shape.get("n_layers", 0)), int(shape.get("d_model", 0))) if shape else (0, 0)
+    return "-".join([method] + rest), size
+
+
+def shape_table(report: Dict) -> str:
+    """The headline: one row per design (its configuration less the shape), one column per shape (the recipe's
+    first, then by depth), each cell the design's PPL at its best rate against the reference's at that shape, the
+    difference, Holm's p and the verdict. Only designs judged at one shape at least; the rest are in the full
+    table."""
     against = display_name(report.get("reference", "pre"))
-    lines = [f"Verdicts: Welch's t on the seeds' validation PPL at each configuration's best rate against {against} at "
+    cells: Dict[str, Dict[Tuple[int, int], Dict]] = {}
+    for row in report["comparisons"]:
+        design, size = _shape_of(row["configuration"])
+        cells.setdefault(design, {})[size] = row
+    judged = {d: by for d, by in cells.items() if any("p_holm" in r for r in by.values())}
+    sizes = sorted({size for by in judged.values() for size in by})
+    name = {size: "the recipe's shape" if size == (0, 0) else f"{size[0]} x {size[1]}" for size in sizes}
+    confs = report["configurations"]
+    lines = ["| design (best lr at the shape) | " + " | ".join(name[s] for s in sizes) + " |",
+             "| --- |" + " --- |" * len(sizes)]
+    for design, by in judged.items():
+        out = []
+        for size in sizes:
+            row = by.get(size)
+            if row is None:
+                out.append("not run")
+                continue
+            best = confs[row["configuration"]]["best"] or {}
+            if "p_holm" not in row:
+                n = len(best.get("seeds", []))
+                out.append(f"{_num(best.get('mean'))} ({n} seed{'s' * (n != 1)}): not judged" if best else
+                           row["verdict"])
+                continue
+            word = ("**beyond, better**" if row["difference"] < 0 else "**beyond, worse**") \
+                if row["p_holm"] < report["alpha"] else "within"
+            out.append(f"{_num(row['mean'])} vs {_num(row['baseline_mean'])}: {_signed(row['difference'])}, "
+                       f"Holm {_p(row['p_holm'])}, {word}")
+        lrs = {size: _lr(row["lr"]) for size, row in by.items() if row.get("lr") is not None}
+        rate = (next(iter(lrs.values())) if len(set(lrs.values())) == 1 else
+                "; ".join(f"{lr} at {name.get(size, size)}" for size, lr in sorted(lrs.items())))
+        lines.append(f"| {design} ({rate}) | " + " | ".join(out) + " |")
+    return (f"Each design at its best rate against {against} at its own, by shape (PPL over {report['min_seeds']}+ "
+            f"seeds a side, mean; the difference; Holm's p over the {report['comparisons_tested']} comparisons; "
+            f"beyond the noise floor or within it):\n\n" + "\n".join(lines) + "\n")
+
+
+def page_markers(reference: str = "pre") -> Tuple[str, str]:
+    """The two comments between which ``--page`` writes the shape table against ``reference`` into a study's page."""
+    return (f"<!-- verdicts by shape against {reference}: written by scripts/study_report.py --page, not by hand -->",
+            f"<!-- end of the verdicts by shape against {reference} -->")
+
+
+def update_page(text: str, report: Dict, where: str = "the page") -> str:
+    """``text`` with the shape table between its markers replaced by this report's; ValueError (one line) when the
+    markers are missing, so that nothing is written."""
+    begin, end = page_markers(report.get("reference", "pre"))
+    if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
+        raise ValueError(f"{where}: needs the lines {begin!r} and, below it, {end!r} once each, where the table "
+                         "should go; add them and rerun")
+    head, rest = text.split(begin)
+    _, tail = rest.split(end)
+    return f"{head}{begin}\n{shape_table(report)}{end}{tail}"
+
+
+def to_markdown(report: Dict) -> str:
+    """The verdicts by shape, the verdict table and the learning-rate tolerance table."""
+    against = display_name(report.get("reference", "pre"))
+    lines = [shape_table(report), f"Verdicts: Welch's t on the seeds' validation PPL at each configuration's best rate against {against} at "
              f"its own, Holm-corrected over the {report['comparisons_tested']} comparisons tested, alpha "
              f"{report['alpha']}; fewer than {report['min_seeds']} seeds a side: not judged. Seed noise floor "
              f"(pooled sd at the best rates, configurations with {report['min_seeds']}+ seeds): "

@@ -9,7 +9,15 @@ from pathlib import Path
 
 import pytest
 
-from siamesenorm.studies.standard import holm, standard_report, student_t_sf, to_markdown, welch
+from siamesenorm.studies.standard import (
+    holm,
+    page_markers,
+    shape_table,
+    standard_report,
+    student_t_sf,
+    to_markdown,
+    welch,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -63,6 +71,8 @@ def test_verdicts_follow_the_standard(tmp_path):
     _cell(two, "twoseeds-d_model=32-n_layers=8-lr0.01-s2", 38.2)
     _cell(one, "pre-d_model=32-n_layers=8-lr0.01-s1", 41.0)
     _cell(one, "pre-d_model=32-n_layers=8-lr0.01-s2", 41.5)
+    _cell(two, "good-d_model=32-n_layers=8-lr0.01-s1", 36.0)
+    _cell(two, "good-d_model=32-n_layers=8-lr0.01-s2", 36.5)
     report = standard_report([one, two])
     rows = {r["configuration"]: r for r in report["comparisons"]}
     assert report["configurations"]["good"]["best_lr"] == 0.03
@@ -84,6 +94,16 @@ def test_verdicts_follow_the_standard(tmp_path):
     assert tolerance[0]["mean"] is None and tolerance[0]["increase"] is None
     page = to_markdown(report)
     assert "| pre | 0.01 | 0.03 (x3.0): 42.07 (+2.00), 0/3, 0/3, 2.0 |" in page
+    # the headline by shape: designs judged at one shape at least, the recipe's shape first, then by depth
+    table = shape_table(report)
+    assert table in page and page.index(table) < page.index("| configuration | best lr |")
+    assert "| design (best lr at the shape) | the recipe's shape | 8 x 32 |" in table
+    good = rows["good"]
+    holm_p = f"{good['p_holm']:.3f}" if good["p_holm"] >= 1e-3 else f"{good['p_holm']:.1e}"
+    assert (f"| good (0.03 at the recipe's shape; 0.01 at 8 x 32) | {good['mean']:.2f} vs {good['baseline_mean']:.2f}: {good['difference']:+.2f}, "
+            f"Holm {holm_p}, **beyond, better** | 36.25 (2 seeds): not judged |") in table
+    assert "| same (0.01) | " in table and ", within | not run |" in table
+    assert "twoseeds" not in table and "fragile" not in table  # judged nowhere: the full table has them
     assert "| good | 0.03 | 3 |" in page and "beyond the noise floor" in page
     assert report["configurations"]["good"]["chosen_on_seeds"] == [1, 2, 3]
 
@@ -141,3 +161,32 @@ def test_every_configuration_can_be_judged_against_another_reference(tmp_path):
     assert not (out / "standard.md").exists()
     proc = subprocess.run(script + ["--against", "keel"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--against keel: no cell" in proc.stderr
+
+
+def test_the_page_gets_the_verdicts_by_shape_between_its_markers(tmp_path):
+    """``--page``: the shape table is written between the page's two markers (the rest kept byte for byte, a rerun
+    changes nothing); a page without the markers is refused in one line before anything is written."""
+    results = tmp_path / "results"
+    for seed, ppl in ((1, 40.1), (2, 39.8), (3, 40.3)):
+        _cell(results, f"pre-lr0.01-s{seed}", ppl)
+        _cell(results, f"good-lr0.01-s{seed}", ppl - 3)
+    begin, end = page_markers("pre")
+    page = tmp_path / "README.md"
+    before, after = "# A study\n\nIntro.\n\n", "\n\nMore text, kept.\n"
+    page.write_text(f"{before}{begin}\nstale table\n{end}{after}")
+    out = tmp_path / "figures"
+    cmd = [sys.executable, str(ROOT / "scripts" / "study_report.py"), str(results), "--standard", "--output", str(out),
+           "--page", str(page)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    table = shape_table(standard_report([results]))
+    assert page.read_text() == f"{before}{begin}\n{table}{end}{after}" and "stale" not in page.read_text()
+    assert "| good (0.01) | 37.07 vs 40.07: -3.00" in table
+    assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode == 0
+    assert page.read_text() == f"{before}{begin}\n{table}{end}{after}"  # a rerun: the same page
+
+    bare = tmp_path / "bare.md"
+    bare.write_text("no markers here\n")
+    proc = subprocess.run(cmd[:-1] + [str(bare)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "markers" not in proc.stdout
+    assert begin in proc.stderr and bare.read_text() == "no markers here\n"

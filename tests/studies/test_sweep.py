@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from test_training import ROOT, SMALL, TINY, learnable_tokens
 
+from siamesenorm.studies.standard import page_markers, shape_table, standard_report, to_markdown
 from siamesenorm.studies.sweep import load_plan, status
 
 
@@ -134,6 +135,29 @@ def test_each_study_folder_holds_its_plan_results_figures_and_page():
             assert (study / "results" / cell / "metrics.jsonl.gz").is_file(), cell
         page = (study / "README.md").read_text()
         assert any(f.name in page for f in (study / "figures").glob("*.png")), study.name
+
+
+FIELD_REPORT = ("python scripts/study_report.py studies/cpu-2026-field/results --standard --with "
+                "studies/cpu-lr-grid/results studies/cpu-depth-dynamics/results --output studies/cpu-2026-field/figures "
+                "--page studies/cpu-2026-field/README.md")
+
+
+def test_the_field_study_page_and_figures_are_what_its_committed_records_give(monkeypatch):
+    """studies/cpu-2026-field: figures/standard*.json and .md, and the verdicts-by-shape tables in its README, are
+    the report over the committed records as they stand (against Pre-Norm and against SiameseNorm): a record
+    committed without rerunning the report, or a table edited by hand, fails here."""
+    monkeypatch.chdir(ROOT)
+    study = Path("studies/cpu-2026-field")
+    folders = [str(study / "results"), "studies/cpu-lr-grid/results", "studies/cpu-depth-dynamics/results"]
+    page = (study / "README.md").read_text()
+    for reference, stem in (("pre", "standard"), ("hybrid_pre", "standard-vs-hybrid_pre")):
+        report = standard_report(folders, reference=reference)
+        rerun = FIELD_REPORT + ("" if reference == "pre" else " --against hybrid_pre")
+        committed = json.loads((study / "figures" / f"{stem}.json").read_text())
+        assert committed == json.loads(json.dumps(report)), f"figures/{stem}.json is stale: rerun {rerun}"
+        assert (study / "figures" / f"{stem}.md").read_text() == to_markdown(report), f"rerun {rerun}"
+        begin, end = page_markers(reference)
+        assert f"{begin}\n{shape_table(report)}{end}" in page, f"the README's table against {reference}: rerun {rerun}"
 
 
 def test_the_replication_plan_reruns_every_judged_configuration_with_seeds_the_study_did_not_use():
