@@ -310,22 +310,62 @@ def shape_table(report: Dict) -> str:
             f"beyond the noise floor or within it):\n\n" + "\n".join(lines) + "\n")
 
 
-def page_markers(reference: str = "pre") -> Tuple[str, str]:
-    """The two comments between which ``--page`` writes the shape table against ``reference`` into a study's page."""
-    return (f"<!-- verdicts by shape against {reference}: written by scripts/study_report.py --page, not by hand -->",
-            f"<!-- end of the verdicts by shape against {reference} -->")
+def tolerance_table(report: Dict, multiples: Sequence[float] = (2.0, 4.0)) -> str:
+    """Learning-rate tolerance at the issue's multiples of each best rate, for every configuration at the recipe's
+    own shape and schedule with the standard's seeds at its best rate: the PPL there and its rise over the best
+    rate's on the same seeds, and the seeds that diverged or did not converge and the loss spikes at every rate above
+    the best."""
+    lines = ["| configuration | best rate: PPL (seeds) | " + " | ".join(f"{m:g}x: PPL (rise)" for m in multiples)
+             + " | above the best, every rate: diverged, not converged, loss spikes |",
+             "| --- | --- |" + " --- |" * len(multiples) + " --- |"]
+    for key, conf in report["configurations"].items():
+        _, parts = _parts(key)
+        best = conf["best"]
+        if (any(p.split("=", 1)[0] in SHAPE_KEYS or "." in p.split("=", 1)[0] or p.startswith("max_duration")
+                for p in parts) or not best or len(best["seeds"]) < report["min_seeds"]):
+            continue
+        out = []
+        for m in multiples:
+            hit = [t for t in conf["tolerance"] if abs(t["multiple"] - m) < 1e-6]
+            out.append(f"{hit[0]['lr']:g}: {_num(hit[0]['mean'])} ({_signed(hit[0]['increase'])})" if hit
+                       else f"{conf['best_lr'] * m:g}: not run")
+        above = conf["tolerance"]
+        tally = (f"{sum(t['diverged'] for t in above)}/{sum(t['seeds'] for t in above)}, "
+                 f"{sum(t['not_converged'] for t in above)}/{sum(t['seeds'] for t in above)}, "
+                 f"{sum(t['loss_spikes'] * t['seeds'] for t in above):g}") if above else "no higher rate run"
+        lines.append(f"| {key} | {_lr(conf['best_lr'])}: {_num(best['mean'])} ({len(best['seeds'])}) | "
+                     + " | ".join(out) + f" | {tally} |")
+    return ("Each configuration at the recipe's shape with the standard's seeds at its best rate (PPL: their mean), "
+            f"at {' and '.join(f'{m:g}x' for m in multiples)} that rate: the PPL there (mean over the seeds run) and "
+            "its rise over the best rate's PPL on the same seeds:\n\n" + "\n".join(lines) + "\n")
 
 
-def update_page(text: str, report: Dict, where: str = "the page") -> str:
-    """``text`` with the shape table between its markers replaced by this report's; ValueError (one line) when the
-    markers are missing, so that nothing is written."""
-    begin, end = page_markers(report.get("reference", "pre"))
+def page_markers(reference: str = "pre", table: str = "verdicts by shape") -> Tuple[str, str]:
+    """The two comments between which ``--page`` writes a table into a study's page: the verdicts by shape against
+    ``reference``, or (``table="tolerance"``, with the report against Pre-Norm) the tolerance table."""
+    name = table if table == "tolerance" else f"{table} against {reference}"
+    return (f"<!-- {name}: written by scripts/study_report.py --page, not by hand -->", f"<!-- end of the {name} -->")
+
+
+def _replace_between(text: str, begin: str, end: str, body: str, where: str) -> str:
     if text.count(begin) != 1 or text.count(end) != 1 or text.index(begin) > text.index(end):
         raise ValueError(f"{where}: needs the lines {begin!r} and, below it, {end!r} once each, where the table "
                          "should go; add them and rerun")
     head, rest = text.split(begin)
     _, tail = rest.split(end)
-    return f"{head}{begin}\n{shape_table(report)}{end}{tail}"
+    return f"{head}{begin}\n{body}{end}{tail}"
+
+
+def update_page(text: str, report: Dict, where: str = "the page") -> str:
+    """``text`` with the shape table between its markers replaced by this report's, and, against Pre-Norm, the
+    tolerance table between its markers where the page has them; ValueError (one line) when the shape table's
+    markers are missing, so that nothing is written."""
+    reference = report.get("reference", "pre")
+    text = _replace_between(text, *page_markers(reference), shape_table(report), where)
+    begin, end = page_markers(table="tolerance")
+    if reference == "pre" and begin in text:
+        text = _replace_between(text, begin, end, tolerance_table(report), where)
+    return text
 
 
 def to_markdown(report: Dict) -> str:

@@ -16,6 +16,7 @@ from siamesenorm.studies.standard import (
     standard_report,
     student_t_sf,
     to_markdown,
+    tolerance_table,
     welch,
 )
 
@@ -104,6 +105,11 @@ def test_verdicts_follow_the_standard(tmp_path):
             f"Holm {holm_p}, **beyond, better** | 36.25 (2 seeds): not judged |") in table
     assert "| same (0.01) | " in table and ", within | not run |" in table
     assert "twoseeds" not in table and "fragile" not in table  # judged nowhere: the full table has them
+    # tolerance at 2x and 4x: configurations at the recipe's shape with three seeds at their best rate
+    tolerance_rows = tolerance_table(report).splitlines()
+    assert "| pre | 0.01: 40.07 (3) | 0.02: not run | 0.04: not run | 0/3, 0/3, 6 |" in tolerance_rows
+    assert "| good | 0.03: 37.07 (3) | 0.06: not run | 0.12: not run | 1/1, 0/1, 0 |" in tolerance_rows
+    assert not any(r.startswith(("| fragile", "| twoseeds")) for r in tolerance_rows)
     assert "| good | 0.03 | 3 |" in page and "beyond the noise floor" in page
     assert report["configurations"]["good"]["chosen_on_seeds"] == [1, 2, 3]
 
@@ -171,15 +177,18 @@ def test_the_page_gets_the_verdicts_by_shape_between_its_markers(tmp_path):
         _cell(results, f"pre-lr0.01-s{seed}", ppl)
         _cell(results, f"good-lr0.01-s{seed}", ppl - 3)
     begin, end = page_markers("pre")
+    tbegin, tend = page_markers(table="tolerance")
     page = tmp_path / "README.md"
-    before, after = "# A study\n\nIntro.\n\n", "\n\nMore text, kept.\n"
+    before, after = "# A study\n\nIntro.\n\n", f"\n\nMore text, kept.\n{tbegin}\nstale\n{tend}\nThe end.\n"
     page.write_text(f"{before}{begin}\nstale table\n{end}{after}")
     out = tmp_path / "figures"
     cmd = [sys.executable, str(ROOT / "scripts" / "study_report.py"), str(results), "--standard", "--output", str(out),
            "--page", str(page)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
-    table = shape_table(standard_report([results]))
+    report = standard_report([results])
+    table = shape_table(report)
+    after = after.replace("stale", tolerance_table(report).rstrip("\n"))
     assert page.read_text() == f"{before}{begin}\n{table}{end}{after}" and "stale" not in page.read_text()
     assert "| good (0.01) | 37.07 vs 40.07: -3.00" in table
     assert subprocess.run(cmd, capture_output=True, text=True, timeout=120).returncode == 0

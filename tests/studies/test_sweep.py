@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from test_training import ROOT, SMALL, TINY, learnable_tokens
 
-from siamesenorm.studies.standard import page_markers, shape_table, standard_report, to_markdown
+from siamesenorm.studies.standard import page_markers, shape_table, standard_report, to_markdown, tolerance_table
 from siamesenorm.studies.sweep import load_plan, status
 
 
@@ -158,6 +158,9 @@ def test_the_field_study_page_and_figures_are_what_its_committed_records_give(mo
         assert (study / "figures" / f"{stem}.md").read_text() == to_markdown(report), f"rerun {rerun}"
         begin, end = page_markers(reference)
         assert f"{begin}\n{shape_table(report)}{end}" in page, f"the README's table against {reference}: rerun {rerun}"
+        if reference == "pre":
+            begin, end = page_markers(table="tolerance")
+            assert f"{begin}\n{tolerance_table(report)}{end}" in page, f"the README's tolerance table: rerun {rerun}"
 
 
 def test_the_replication_plan_reruns_every_judged_configuration_with_seeds_the_study_did_not_use():
