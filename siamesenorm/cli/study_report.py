@@ -11,7 +11,8 @@
   (the same standard with SiameseNorm in Pre-Norm's place: every other configuration, Pre-Norm included, against
   hybrid_pre at its shape; standard-vs-hybrid_pre.json and .md)
   ... --standard [--against hybrid_pre] --page studies/cpu-2026-field/README.md
-  (also writes the verdicts by shape into the page, between its two markers: standard.page_markers)
+  (also writes the verdicts by shape into the page, between its two markers: standard.page_markers; --tag pooled
+  with more folders fills the page's tables marked "(pooled)")
 """
 
 import argparse
@@ -38,6 +39,9 @@ def main(argv=None) -> int:
     parser.add_argument("--page", metavar="README",
                         help="with --standard: rewrite the verdicts-by-shape table between the page's markers "
                              "(siamesenorm/studies/standard.py: page_markers)")
+    parser.add_argument("--tag", default="",
+                        help="with --page: which of the page's marked tables these folders fill (markers named with "
+                             "the tag, e.g. pooled), so one page can show the tables of several sets of folders")
     args = parser.parse_args(argv)
     for folder in [args.results] + args.also:
         if not Path(folder).is_dir():
@@ -65,7 +69,7 @@ def _report(args) -> int:
         if args.page:  # checked before anything is written
             if not Path(args.page).is_file():
                 raise ValueError(f"--page {args.page}: no such file; name the study's README.md")
-            page = standard.update_page(Path(args.page).read_text(), summary, args.page)
+            page = standard.update_page(Path(args.page).read_text(), summary, args.page, args.tag)
         out.mkdir(parents=True, exist_ok=True)
         (out / f"{stem}.json").write_text(json.dumps(summary, indent=1) + "\n")
         (out / f"{stem}.md").write_text(standard.to_markdown(summary))

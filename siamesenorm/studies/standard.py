@@ -340,10 +340,11 @@ def tolerance_table(report: Dict, multiples: Sequence[float] = (2.0, 4.0)) -> st
             "its rise over the best rate's PPL on the same seeds:\n\n" + "\n".join(lines) + "\n")
 
 
-def page_markers(reference: str = "pre", table: str = "verdicts by shape") -> Tuple[str, str]:
+def page_markers(reference: str = "pre", table: str = "verdicts by shape", tag: str = "") -> Tuple[str, str]:
     """The two comments between which ``--page`` writes a table into a study's page: the verdicts by shape against
-    ``reference``, or (``table="tolerance"``, with the report against Pre-Norm) the tolerance table."""
-    name = table if table == "tolerance" else f"{table} against {reference}"
+    ``reference``, or (``table="tolerance"``, with the report against Pre-Norm) the tolerance table; ``tag`` (from
+    ``--tag``) names another set of folders' tables on the same page (e.g. "pooled")."""
+    name = (table if table == "tolerance" else f"{table} against {reference}") + (f" ({tag})" if tag else "")
     return (f"<!-- {name}: written by scripts/study_report.py --page, not by hand -->", f"<!-- end of the {name} -->")
 
 
@@ -356,13 +357,13 @@ def _replace_between(text: str, begin: str, end: str, body: str, where: str) -> 
     return f"{head}{begin}\n{body}{end}{tail}"
 
 
-def update_page(text: str, report: Dict, where: str = "the page") -> str:
+def update_page(text: str, report: Dict, where: str = "the page", tag: str = "") -> str:
     """``text`` with the shape table between its markers replaced by this report's, and, against Pre-Norm, the
     tolerance table between its markers where the page has them; ValueError (one line) when the shape table's
     markers are missing, so that nothing is written."""
     reference = report.get("reference", "pre")
-    text = _replace_between(text, *page_markers(reference), shape_table(report), where)
-    begin, end = page_markers(table="tolerance")
+    text = _replace_between(text, *page_markers(reference, tag=tag), shape_table(report), where)
+    begin, end = page_markers(table="tolerance", tag=tag)
     if reference == "pre" and begin in text:
         text = _replace_between(text, begin, end, tolerance_table(report), where)
     return text

@@ -17,6 +17,7 @@ from siamesenorm.studies.standard import (
     student_t_sf,
     to_markdown,
     tolerance_table,
+    update_page,
     welch,
 )
 
@@ -199,3 +200,19 @@ def test_the_page_gets_the_verdicts_by_shape_between_its_markers(tmp_path):
     proc = subprocess.run(cmd[:-1] + [str(bare)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "markers" not in proc.stdout
     assert begin in proc.stderr and bare.read_text() == "no markers here\n"
+
+
+def test_a_tagged_table_is_written_between_its_own_markers_only(tmp_path):
+    """``--tag``: one page holds the tables of several sets of folders; a tagged report rewrites its own block and
+    leaves the untagged one (and the tolerance table) as they were."""
+    for seed, ppl in ((1, 40.1), (2, 39.8), (3, 40.3)):
+        _cell(tmp_path, f"pre-lr0.01-s{seed}", ppl)
+        _cell(tmp_path, f"good-lr0.01-s{seed}", ppl - 3)
+    report = standard_report([tmp_path])
+    (b, e), (tb, te), (pb, pe) = page_markers("pre"), page_markers(table="tolerance"), page_markers("pre", tag="pooled")
+    assert len({b, tb, pb}) == 3 and "(pooled)" in pb and "(pooled)" in pe
+    text = f"{b}\nmain\n{e}\n{tb}\ntol\n{te}\n{pb}\nold\n{pe}\n"
+    out = update_page(text, report, tag="pooled")
+    assert out == f"{b}\nmain\n{e}\n{tb}\ntol\n{te}\n{pb}\n{shape_table(report)}{pe}\n"
+    with pytest.raises(ValueError, match="pooled"):
+        update_page(f"{b}\nmain\n{e}\n", report, tag="pooled")

@@ -144,8 +144,9 @@ FIELD_REPORT = ("python scripts/study_report.py studies/cpu-2026-field/results -
 
 def test_the_field_study_page_and_figures_are_what_its_committed_records_give(monkeypatch):
     """studies/cpu-2026-field: figures/standard*.json and .md, and the verdicts-by-shape tables in its README, are
-    the report over the committed records as they stand (against Pre-Norm and against SiameseNorm): a record
-    committed without rerunning the report, or a table edited by hand, fails here."""
+    the report over the committed records as they stand (against Pre-Norm and against SiameseNorm; the tolerance
+    table; the study's and the replication's records pooled): a record committed without rerunning the report, or a
+    table edited by hand, fails here."""
     monkeypatch.chdir(ROOT)
     study = Path("studies/cpu-2026-field")
     folders = [str(study / "results"), "studies/cpu-lr-grid/results", "studies/cpu-depth-dynamics/results"]
@@ -161,6 +162,14 @@ def test_the_field_study_page_and_figures_are_what_its_committed_records_give(mo
         if reference == "pre":
             begin, end = page_markers(table="tolerance")
             assert f"{begin}\n{tolerance_table(report)}{end}" in page, f"the README's tolerance table: rerun {rerun}"
+    # the study's records and the replication's pooled (six seeds a side where both ran): figures/pooled/
+    report = standard_report(folders + [str(study / "replication")])
+    rerun = (FIELD_REPORT.replace("cpu-depth-dynamics/results", "cpu-depth-dynamics/results studies/cpu-2026-field/"
+                                  "replication").replace("figures", "figures/pooled") + " --tag pooled")
+    committed = json.loads((study / "figures" / "pooled" / "standard.json").read_text())
+    assert committed == json.loads(json.dumps(report)), f"figures/pooled/standard.json is stale: rerun {rerun}"
+    begin, end = page_markers("pre", tag="pooled")
+    assert f"{begin}\n{shape_table(report)}{end}" in page, f"the README's pooled table: rerun {rerun}"
 
 
 def test_the_replication_plan_reruns_every_judged_configuration_with_seeds_the_study_did_not_use():
