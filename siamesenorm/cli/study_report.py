@@ -43,6 +43,10 @@ def main(argv=None) -> int:
                         help="with --page: which of the page's marked tables these folders fill (markers named with "
                              "the tag, e.g. pooled), so one page can show the tables of several sets of folders")
     args = parser.parse_args(argv)
+    if (args.page or args.tag) and not args.standard or args.tag and not args.page:
+        print("error: --page goes with --standard, and --tag with --page (the page's tables are the standard's); add "
+              "the missing flag", file=sys.stderr)
+        return 2
     for folder in [args.results] + args.also:
         if not Path(folder).is_dir():
             print(f"error: {folder} is not a folder; run scripts/sweep.py first.", file=sys.stderr)

@@ -200,6 +200,9 @@ def test_the_page_gets_the_verdicts_by_shape_between_its_markers(tmp_path):
     proc = subprocess.run(cmd[:-1] + [str(bare)], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1 and "markers" not in proc.stdout
     assert begin in proc.stderr and bare.read_text() == "no markers here\n"
+    for flags in (["--page", str(page)], ["--standard", "--tag", "pooled"]):  # a flag without the one it needs
+        proc = subprocess.run(cmd[:3] + ["--output", str(out)] + flags, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 2 and "goes with" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
 
 
 def test_a_tagged_table_is_written_between_its_own_markers_only(tmp_path):
