@@ -320,7 +320,11 @@ def run_plan(plan: Plan, parallel: int = 2, only: Optional[List[str]] = None, ke
             return
         t0 = time.time()
         try:
-            outcomes[cell.name] = run_cell(plan, cell, keep_checkpoints)
+            # the list was drawn at the start: a second sweep of the same plan may have finished the cell since
+            # (its run folder's lock keeps two from training one cell at once); its record is not trained over
+            done_elsewhere = status(plan, cell)
+            outcomes[cell.name] = (f"{done_elsewhere} by another process" if done_elsewhere in FINAL else
+                                   run_cell(plan, cell, keep_checkpoints))
         except Exception as err:  # a failed cell is reported; the others go on
             outcomes[cell.name] = f"error: {err}"
         echo(f"[{len(outcomes)}/{len(todo)}] {cell.name}: {outcomes[cell.name]} ({time.time() - t0:.0f} s; "

@@ -84,6 +84,32 @@ def test_a_sweep_without_its_data_says_so_once_and_starts_no_cell(tmp_path):
     assert proc.returncode == 0 and "0 to run" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
+def test_a_cell_another_sweep_finished_meanwhile_is_not_trained_again(tmp_path, monkeypatch):
+    """Two sweeps of one plan (a second shell, a second session): each draws its list of cells to run when it
+    starts; a cell the other one finished since is reported as such and its record left alone, not trained over."""
+    from siamesenorm.studies import sweep
+
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(json.dumps({
+        "recipe": str(TINY), "runs": str(tmp_path / "runs"), "results": str(tmp_path / "results"),
+        "groups": [{"methods": ["pre", "hybrid_pre"], "learning_rates": [1e-2], "seeds": [1]}]}))
+    plan = load_plan(plan_file)
+    first, second = plan.cells
+    trained = []
+
+    def fake_run_cell(plan, cell, keep_checkpoints=False):  # training the first, "another process" ends the second
+        trained.append(cell.name)
+        (Path(plan.results) / second.name).mkdir(parents=True)
+        (Path(plan.results) / second.name / "run.json").write_text(json.dumps({"status": "finished", "mark": 1}))
+        return "finished"
+
+    monkeypatch.setattr(sweep, "run_cell", fake_run_cell)
+    outcomes = sweep.run_plan(plan, parallel=1, echo=lambda line: None)
+    assert trained == [first.name]
+    assert outcomes == {first.name: "finished", second.name: "finished by another process"}
+    assert json.loads((Path(plan.results) / second.name / "run.json").read_text())["mark"] == 1
+
+
 @pytest.mark.slow
 def test_v2_plan_groups_knobs_settings_and_checkpoints_over_time(tmp_path):
     """The second sweep's plan features on tiny cells: model shapes as knobs, a schedule setting, a cell analysed at
