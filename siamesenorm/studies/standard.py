@@ -310,6 +310,34 @@ def shape_table(report: Dict) -> str:
             f"beyond the noise floor or within it):\n\n" + "\n".join(lines) + "\n")
 
 
+def _at_recipe_shape(key: str) -> bool:
+    """A configuration at the recipe's own shape and schedule: no shape, setting or length part in its key."""
+    return not any(p.split("=", 1)[0] in SHAPE_KEYS or "." in p.split("=", 1)[0] or p.startswith("max_duration")
+                   for p in _parts(key)[1])
+
+
+def rates_table(report: Dict) -> str:
+    """The learning-rate sweep at the recipe's shape: every configuration run at two rates or more, its validation
+    PPL at each rate (one seed: its PPL; more: mean ± sd and the count), the best rate in bold."""
+    rows = {k: c for k, c in report["configurations"].items() if _at_recipe_shape(k) and len(c["rates"]) >= 2}
+    rates = sorted({float(lr) for c in rows.values() for lr in c["rates"]})
+    lines = ["| configuration | " + " | ".join(f"{lr:g}" for lr in rates) + " | best rate |",
+             "| --- |" + " ---: |" * len(rates) + " --- |"]
+    for key, conf in rows.items():
+        cells = []
+        for lr in rates:
+            s = conf["rates"].get(f"{lr:g}")
+            if s is None:
+                cells.append("")
+                continue
+            cell = (f"{s['diverged']}/{len(s['seeds'])} diverged" if s["mean"] is None else _num(s["mean"])
+                    if len(s["seeds"]) == 1 else f"{_num(s['mean'])} ± {_num(s['sd'])} ({len(s['seeds'])})")
+            cells.append(f"**{cell}**" if lr == conf["best_lr"] else cell)
+        lines.append(f"| {key} | " + " | ".join(cells) + f" | {_lr(conf['best_lr'])} |")
+    return ("Validation PPL at each rate the sweep ran, at the recipe's shape (one seed: its PPL; more: mean ± sd "
+            "(seeds)); bold: the best rate, chosen on the seeds every rate ran:\n\n" + "\n".join(lines) + "\n")
+
+
 def tolerance_table(report: Dict, multiples: Sequence[float] = (2.0, 4.0)) -> str:
     """Learning-rate tolerance at the issue's multiples of each best rate, for every configuration at the recipe's
     own shape and schedule with the standard's seeds at its best rate: the PPL there and its rise over the best
@@ -319,10 +347,8 @@ def tolerance_table(report: Dict, multiples: Sequence[float] = (2.0, 4.0)) -> st
              + " | above the best, every rate: diverged, not converged, loss spikes |",
              "| --- | --- |" + " --- |" * len(multiples) + " --- |"]
     for key, conf in report["configurations"].items():
-        _, parts = _parts(key)
         best = conf["best"]
-        if (any(p.split("=", 1)[0] in SHAPE_KEYS or "." in p.split("=", 1)[0] or p.startswith("max_duration")
-                for p in parts) or not best or len(best["seeds"]) < report["min_seeds"]):
+        if not _at_recipe_shape(key) or not best or len(best["seeds"]) < report["min_seeds"]:
             continue
         out = []
         for m in multiples:
@@ -342,9 +368,10 @@ def tolerance_table(report: Dict, multiples: Sequence[float] = (2.0, 4.0)) -> st
 
 def page_markers(reference: str = "pre", table: str = "verdicts by shape", tag: str = "") -> Tuple[str, str]:
     """The two comments between which ``--page`` writes a table into a study's page: the verdicts by shape against
-    ``reference``, or (``table="tolerance"``, with the report against Pre-Norm) the tolerance table; ``tag`` (from
+    ``reference``, or (``table="tolerance"`` or ``"rates"``, with the report against Pre-Norm) the tolerance table or
+    the learning-rate sweep; ``tag`` (from
     ``--tag``) names another set of folders' tables on the same page (e.g. "pooled")."""
-    name = (table if table == "tolerance" else f"{table} against {reference}") + (f" ({tag})" if tag else "")
+    name = (table if table in ("tolerance", "rates") else f"{table} against {reference}") + (f" ({tag})" if tag else "")
     return (f"<!-- {name}: written by scripts/study_report.py --page, not by hand -->", f"<!-- end of the {name} -->")
 
 
@@ -363,9 +390,10 @@ def update_page(text: str, report: Dict, where: str = "the page", tag: str = "")
     markers are missing, so that nothing is written."""
     reference = report.get("reference", "pre")
     text = _replace_between(text, *page_markers(reference, tag=tag), shape_table(report), where)
-    begin, end = page_markers(table="tolerance", tag=tag)
-    if reference == "pre" and begin in text:
-        text = _replace_between(text, begin, end, tolerance_table(report), where)
+    for table, write in (("tolerance", tolerance_table), ("rates", rates_table)):
+        begin, end = page_markers(table=table, tag=tag)
+        if reference == "pre" and begin in text:
+            text = _replace_between(text, begin, end, write(report), where)
     return text
 
 
@@ -412,8 +440,7 @@ def figure(report: Dict, out: str | Path, fmt: str = "png") -> Path:
     fig, ax = plt.subplots(figsize=(7.5, 4.8))
     for key, conf in report["configurations"].items():
         method, parts = _parts(key)
-        if any(p.split("=", 1)[0] in SHAPE_KEYS or "." in p.split("=", 1)[0] or p.startswith("max_duration")
-               for p in parts):
+        if not _at_recipe_shape(key):
             continue
         points = [(float(lr), s) for lr, s in conf["rates"].items() if s["mean"] is not None]
         if not points:

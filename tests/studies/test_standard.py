@@ -12,6 +12,7 @@ import pytest
 from siamesenorm.studies.standard import (
     holm,
     page_markers,
+    rates_table,
     shape_table,
     standard_report,
     student_t_sf,
@@ -111,6 +112,12 @@ def test_verdicts_follow_the_standard(tmp_path):
     assert "| pre | 0.01: 40.07 (3) | 0.02: not run | 0.04: not run | 0/3, 0/3, 6 |" in tolerance_rows
     assert "| good | 0.03: 37.07 (3) | 0.06: not run | 0.12: not run | 1/1, 0/1, 0 |" in tolerance_rows
     assert not any(r.startswith(("| fragile", "| twoseeds")) for r in tolerance_rows)
+    # the rate sweep at the recipe's shape: configurations run at two rates or more, the best in bold
+    rates = {r.split(" | ")[0][2:]: r.split(" | ")[1:] for r in rates_table(report).splitlines() if r.startswith("| ")}
+    assert rates["configuration"] == ["0.003", "0.01", "0.03", "0.1", "best rate |"]
+    assert rates["good"] == ["", "39.07 ± 0.25 (3)", "**37.07 ± 0.25 (3)**", "1/1 diverged", "0.03 |"]
+    assert rates["fragile"] == ["**45.00**", "1/2 diverged", "", "", "0.003 |"]
+    assert "same" not in rates and not any("n_layers" in k for k in rates)  # one rate; another shape
     assert "| good | 0.03 | 3 |" in page and "beyond the noise floor" in page
     assert report["configurations"]["good"]["chosen_on_seeds"] == [1, 2, 3]
 

@@ -9,7 +9,14 @@ from pathlib import Path
 import pytest
 from test_training import ROOT, SMALL, TINY, learnable_tokens
 
-from siamesenorm.studies.standard import page_markers, shape_table, standard_report, to_markdown, tolerance_table
+from siamesenorm.studies.standard import (
+    page_markers,
+    rates_table,
+    shape_table,
+    standard_report,
+    to_markdown,
+    tolerance_table,
+)
 from siamesenorm.studies.sweep import load_plan, status
 
 
@@ -186,8 +193,9 @@ def test_the_field_study_page_and_figures_are_what_its_committed_records_give(mo
         begin, end = page_markers(reference)
         assert f"{begin}\n{shape_table(report)}{end}" in page, f"the README's table against {reference}: rerun {rerun}"
         if reference == "pre":
-            begin, end = page_markers(table="tolerance")
-            assert f"{begin}\n{tolerance_table(report)}{end}" in page, f"the README's tolerance table: rerun {rerun}"
+            for table, write in (("tolerance", tolerance_table), ("rates", rates_table)):
+                begin, end = page_markers(table=table)
+                assert f"{begin}\n{write(report)}{end}" in page, f"the README's {table} table: rerun {rerun}"
     # the study's records and the replication's pooled (six seeds a side where both ran): figures/pooled/
     report = standard_report(folders + [str(study / "replication")])
     rerun = (FIELD_REPORT.replace("cpu-depth-dynamics/results", "cpu-depth-dynamics/results studies/cpu-2026-field/"
