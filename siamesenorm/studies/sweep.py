@@ -41,7 +41,7 @@ import subprocess
 import sys
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Dict, List, Optional
@@ -331,5 +331,12 @@ def run_plan(plan: Plan, parallel: int = 2, only: Optional[List[str]] = None, ke
              f"{(time.time() - started) / 60:.1f} min in all)")
 
     with ThreadPoolExecutor(max_workers=max(1, parallel)) as pool:
-        list(pool.map(one, todo))
+        pending = {pool.submit(one, cell) for cell in todo}
+        while pending:
+            # wake twice a second: Python runs a signal handler in the main thread only, between bytecodes, and a
+            # SIGTERM the kernel hands to a worker thread does not interrupt a main thread asleep in one long wait
+            # (it would be handled only when a cell ended, perhaps an hour later, its training still running)
+            done, pending = wait(pending, timeout=0.5)
+            for future in done:
+                future.result()
     return outcomes

@@ -266,3 +266,47 @@ def test_a_sweep_with_framework_olmo_core_trains_its_cells_on_olmo_core(tmp_path
     bad = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), str(plan)], cwd=ROOT,
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "framework must be one of ai2_olmo, olmo_core (got 'olmo-core')" in bad.stderr
+
+
+def test_a_sigterm_delivered_to_a_worker_thread_stops_the_sweep_at_once(tmp_path, monkeypatch):
+    """The kernel may hand a process's SIGTERM to any of its threads; Python runs the handler in the main thread
+    only. The sweep's main thread must not sleep through it in one long wait for a cell: a SIGTERM sent to the
+    worker thread training a (here: pretend) hour-long cell stops the sweep within seconds, not when the cell ends."""
+    import signal
+    import threading
+    import time
+
+    from siamesenorm.studies import sweep
+
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(json.dumps({
+        "recipe": str(TINY), "runs": str(tmp_path / "runs"), "results": str(tmp_path / "results"),
+        "groups": [{"methods": ["pre", "hybrid_pre"], "learning_rates": [1e-2], "seeds": [1]}]}))
+    plan = load_plan(plan_file)
+    monkeypatch.setattr(sweep, "_stopping", threading.Event())
+    workers = []
+
+    def long_cell(plan, cell, keep_checkpoints=False):  # a training child would get SIGTERM from stop_children
+        workers.append(threading.get_ident())
+        for _ in range(1200):  # 60 s unless the sweep stops
+            if sweep.stopping():
+                return "stopped"
+            time.sleep(0.05)
+        return "finished"
+
+    monkeypatch.setattr(sweep, "run_cell", long_cell)
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: sweep.stop_children(signum))
+    try:
+        def send():
+            while not workers:
+                time.sleep(0.05)
+            signal.pthread_kill(workers[0], signal.SIGTERM)
+
+        threading.Thread(target=send, daemon=True).start()
+        t0 = time.time()
+        outcomes = sweep.run_plan(plan, parallel=1, echo=lambda line: None)
+        took = time.time() - t0
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert took < 10, took  # before: the full 60 s of the cell
+    assert outcomes == {plan.cells[0].name: "stopped"}  # the second cell never started
