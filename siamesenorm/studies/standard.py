@@ -369,8 +369,8 @@ def tolerance_table(report: Dict, multiples: Sequence[float] = (2.0, 4.0)) -> st
 def page_markers(reference: str = "pre", table: str = "verdicts by shape", tag: str = "") -> Tuple[str, str]:
     """The two comments between which ``--page`` writes a table into a study's page: the verdicts by shape against
     ``reference``, or (``table="tolerance"`` or ``"rates"``, with the report against Pre-Norm) the tolerance table or
-    the learning-rate sweep; ``tag`` (from
-    ``--tag``) names another set of folders' tables on the same page (e.g. "pooled")."""
+    the learning-rate sweep; ``tag`` (from ``--tag``) names another set of folders' tables on the same page (e.g.
+    "pooled")."""
     name = (table if table in ("tolerance", "rates") else f"{table} against {reference}") + (f" ({tag})" if tag else "")
     return (f"<!-- {name}: written by scripts/study_report.py --page, not by hand -->", f"<!-- end of the {name} -->")
 
@@ -386,8 +386,8 @@ def _replace_between(text: str, begin: str, end: str, body: str, where: str) -> 
 
 def update_page(text: str, report: Dict, where: str = "the page", tag: str = "") -> str:
     """``text`` with the shape table between its markers replaced by this report's, and, against Pre-Norm, the
-    tolerance table between its markers where the page has them; ValueError (one line) when the shape table's
-    markers are missing, so that nothing is written."""
+    tolerance and rate-sweep tables between theirs where the page has them; ValueError (one line) when the shape
+    table's markers are missing, so that nothing is written."""
     reference = report.get("reference", "pre")
     text = _replace_between(text, *page_markers(reference, tag=tag), shape_table(report), where)
     for table, write in (("tolerance", tolerance_table), ("rates", rates_table)):
