@@ -133,6 +133,20 @@ _HOW_TO_PREPARE = (
 )
 
 
+# The shipped corpus as the recipes name it (configs/tiny-cpu.yaml, configs/study-cpu.yaml), and the command that
+# prepares it exactly as scripts/quickstart.sh does (so that a fresh machine's sweep trains on the same tokens).
+SHIPPED_CORPUS = "data/prepared/austen-2k"
+PREPARE_SHIPPED_CORPUS = ("python scripts/prepare_data.py data/austen.jsonl.gz --tokenizer data/tokenizer-austen-2k.json "
+                          f"--docs-per-unit 50 --output {SHIPPED_CORPUS}")
+
+
+def _how_to_prepare(pattern: str) -> str:
+    """What to run for missing token files: the exact command where they are the shipped corpus's."""
+    if Path(pattern).as_posix().lstrip("./").startswith(SHIPPED_CORPUS + "/"):
+        return f"these are the shipped corpus's token files; prepare them with: {PREPARE_SHIPPED_CORPUS}"
+    return _HOW_TO_PREPARE
+
+
 def _data_sections(cfg: SiameseTrainConfig):
     sections = [("data.paths", cfg.data)]
     sections += [(f"evaluator {ev.label}", ev.data) for ev in cfg.evaluators if str(ev.type) == "lm"]
@@ -151,7 +165,7 @@ def check_data_paths(cfg: SiameseTrainConfig) -> None:
                 continue
             found = expand_paths([str(pattern)])
             if not found or not all(Path(q).exists() for q in found):
-                raise RunError(f"{where}: no data at {pattern!r}: {_HOW_TO_PREPARE}.")
+                raise RunError(f"{where}: no data at {pattern!r}: {_how_to_prepare(str(pattern))}.")
             folder = next((q for q in found if Path(q).is_dir()), None)
             if folder is not None:
                 raise RunError(f"{where}: {folder} is a folder; name its token files, e.g. {folder}/*.npy.")

@@ -237,6 +237,26 @@ def test_a_mistyped_recipe_path_gets_did_you_mean():
         load_config("configs/zzzzzzzzzzzzzzzzzzzzzzzzz.yaml")
 
 
+def test_missing_shipped_corpus_names_the_exact_command_to_prepare_it(tmp_path, monkeypatch):
+    """A fresh machine's sweep or study recipe before the quickstart: the missing token files are the shipped
+    corpus's, so the one line gives the command that prepares exactly them (the quickstart's); other missing files
+    get the general advice, which names no corpus."""
+    from siamesenorm.run.recipe import PREPARE_SHIPPED_CORPUS, SHIPPED_CORPUS, RunError, check_data_paths, load_config
+
+    cfg = load_config(str(ROOT / "configs" / "study-cpu.yaml"))
+    monkeypatch.chdir(tmp_path)  # no data/prepared/austen-2k here
+    with pytest.raises(RunError) as caught:
+        check_data_paths(cfg)
+    assert "no data at 'data/prepared/austen-2k/train/" in str(caught.value)
+    assert str(caught.value).endswith(PREPARE_SHIPPED_CORPUS + "."), str(caught.value)
+    quickstart = " ".join((ROOT / "scripts" / "quickstart.sh").read_text().replace("\\\n", " ").split())
+    assert PREPARE_SHIPPED_CORPUS in quickstart.replace('"$DATA"', SHIPPED_CORPUS), "the quickstart's command differs"
+    cfg = load_config(str(ROOT / "configs" / "study-cpu.yaml"), [f"--data.paths=[{tmp_path}/other/*.npy]"])
+    with pytest.raises(RunError) as caught:
+        check_data_paths(cfg)
+    assert "prepare data with scripts/prepare_data.py" in str(caught.value) and "austen" not in str(caught.value)
+
+
 def test_the_stored_recipe_keys_are_the_config_s_fields():
     """siamesenorm/run/recipe_keys.json (read before the heavy imports) is regenerated from the dataclasses; a field added
     to the config or a knob added to a variant without `python -m siamesenorm.run.recipe_keys --write` fails here."""
