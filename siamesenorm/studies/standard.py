@@ -310,32 +310,49 @@ def shape_table(report: Dict) -> str:
             f"beyond the noise floor or within it):\n\n" + "\n".join(lines) + "\n")
 
 
+def _at_recipe_schedule(key: str) -> bool:
+    """A configuration on the recipe's own schedule and settings: no setting (``scheduler.t_warmup``) or length part
+    in its key; its shape may differ."""
+    return not any("." in p.split("=", 1)[0] or p.startswith("max_duration") for p in _parts(key)[1])
+
+
 def _at_recipe_shape(key: str) -> bool:
     """A configuration at the recipe's own shape and schedule: no shape, setting or length part in its key."""
-    return not any(p.split("=", 1)[0] in SHAPE_KEYS or "." in p.split("=", 1)[0] or p.startswith("max_duration")
-                   for p in _parts(key)[1])
+    return _at_recipe_schedule(key) and not any(p.split("=", 1)[0] in SHAPE_KEYS for p in _parts(key)[1])
 
 
 def rates_table(report: Dict) -> str:
-    """The learning-rate sweep at the recipe's shape: every configuration run at two rates or more, its validation
-    PPL at each rate (one seed: its PPL; more: mean ± sd and the count), the best rate in bold."""
-    rows = {k: c for k, c in report["configurations"].items() if _at_recipe_shape(k) and len(c["rates"]) >= 2}
-    rates = sorted({float(lr) for c in rows.values() for lr in c["rates"]})
-    lines = ["| configuration | " + " | ".join(f"{lr:g}" for lr in rates) + " | best rate |",
-             "| --- |" + " ---: |" * len(rates) + " --- |"]
-    for key, conf in rows.items():
-        cells = []
-        for lr in rates:
-            s = conf["rates"].get(f"{lr:g}")
-            if s is None:
-                cells.append("")
-                continue
-            cell = (f"{s['diverged']}/{len(s['seeds'])} diverged" if s["mean"] is None else _num(s["mean"])
-                    if len(s["seeds"]) == 1 else f"{_num(s['mean'])} ± {_num(s['sd'])} ({len(s['seeds'])})")
-            cells.append(f"**{cell}**" if lr == conf["best_lr"] else cell)
-        lines.append(f"| {key} | " + " | ".join(cells) + f" | {_lr(conf['best_lr'])} |")
-    return ("Validation PPL at each rate the sweep ran, at the recipe's shape (one seed: its PPL; more: mean ± sd "
-            "(seeds)); bold: the best rate, chosen on the seeds every rate ran:\n\n" + "\n".join(lines) + "\n")
+    """The learning-rate sweep at each shape where one ran: every configuration on the recipe's schedule run at two
+    rates or more at that shape, its validation PPL at each rate (one seed: its PPL; more: mean ± sd and the count),
+    the best rate (chosen at that shape, on the seeds every rate ran there) in bold. The recipe's shape first, then
+    the others by depth, one table each."""
+    by_size: Dict[Tuple[int, int], Dict[str, Dict]] = {}
+    for key, conf in report["configurations"].items():
+        if _at_recipe_schedule(key) and len(conf["rates"]) >= 2:
+            design, size = _shape_of(key)
+            by_size.setdefault(size, {})[design] = conf
+    parts = []
+    for size in sorted(by_size):
+        rows = by_size[size]
+        rates = sorted({float(lr) for c in rows.values() for lr in c["rates"]})
+        lines = ["| configuration | " + " | ".join(f"{lr:g}" for lr in rates) + " | best rate |",
+                 "| --- |" + " ---: |" * len(rates) + " --- |"]
+        for design, conf in rows.items():
+            cells = []
+            for lr in rates:
+                s = conf["rates"].get(f"{lr:g}")
+                if s is None:
+                    cells.append("")
+                    continue
+                cell = (f"{s['diverged']}/{len(s['seeds'])} diverged" if s["mean"] is None else _num(s["mean"])
+                        if len(s["seeds"]) == 1 else f"{_num(s['mean'])} ± {_num(s['sd'])} ({len(s['seeds'])})")
+                cells.append(f"**{cell}**" if lr == conf["best_lr"] else cell)
+            lines.append(f"| {design} | " + " | ".join(cells) + f" | {_lr(conf['best_lr'])} |")
+        where = "At the recipe's shape" if size == (0, 0) else f"At {size[0]} x {size[1]} (n_layers x d_model)"
+        parts.append(f"{where}:\n\n" + "\n".join(lines) + "\n")
+    return ("Validation PPL at each rate the sweep ran, at each shape where it ran two rates or more (one seed: its "
+            "PPL; more: mean ± sd (seeds)); bold: the best rate at that shape, chosen on the seeds every rate ran "
+            "there.\n\n" + "\n".join(parts))
 
 
 def tolerance_table(report: Dict, multiples: Sequence[float] = (2.0, 4.0)) -> str:

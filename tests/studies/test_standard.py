@@ -177,6 +177,31 @@ def test_every_configuration_can_be_judged_against_another_reference(tmp_path):
     assert proc.returncode == 2 and proc.stderr.count("\n") == 1 and "--against keel: no cell" in proc.stderr
 
 
+def test_the_rate_sweep_table_has_one_table_per_shape_with_its_own_best_rate(tmp_path):
+    """A rate sweep at another shape (the depth study's rate check) gets a table of its own after the recipe's shape,
+    rows named by design (the shape in the heading), the best rate chosen at that shape; a shape run at one rate
+    only, and a configuration on another schedule, get none."""
+    for seed, ppl in ((1, 40.1), (2, 39.8), (3, 40.3)):
+        _cell(tmp_path, f"pre-lr0.01-s{seed}", ppl)
+        _cell(tmp_path, f"pre-lr0.03-s{seed}", ppl + 2)
+    _cell(tmp_path, "pre-d_model=128-n_layers=4-lr0.01-s1", 40.7)
+    _cell(tmp_path, "pre-d_model=128-n_layers=4-lr0.003-s1", 39.3)
+    _cell(tmp_path, "pre-d_model=128-n_layers=4-lr0.003-s2", 39.4)
+    _cell(tmp_path, "good-d_model=128-n_layers=4-lr0.01-s1", 34.5)
+    _cell(tmp_path, "good-d_model=128-n_layers=4-lr0.03-s1", 38.2)
+    _cell(tmp_path, "good-d_model=32-n_layers=64-lr0.01-s1", 47.0)  # one rate at 64 x 32: no table there
+    _cell(tmp_path, "pre-scheduler.t_warmup=0-lr0.01-s1", 41.0)  # another schedule: no row anywhere
+    _cell(tmp_path, "pre-scheduler.t_warmup=0-lr0.03-s1", 42.0)
+    text = rates_table(standard_report([tmp_path]))
+    assert "At 64 x 32" not in text and "t_warmup" not in text
+    recipe, deep = text.split("At the recipe's shape:")[1].split("At 4 x 128 (n_layers x d_model):")
+    assert [r.split(" | ")[0][2:] for r in recipe.splitlines() if r.startswith("| ")] == ["configuration", "---", "pre"]
+    rows = {r.split(" | ")[0][2:]: r.split(" | ")[1:] for r in deep.splitlines() if r.startswith("| ")}
+    assert rows["configuration"] == ["0.003", "0.01", "0.03", "best rate |"]
+    assert rows["pre"] == ["**39.35 ± 0.07 (2)**", "40.70", "", "0.003 |"]  # chosen on seed 1, the one both ran
+    assert rows["good"] == ["", "**34.50**", "38.20", "0.01 |"]
+
+
 def test_the_page_gets_the_verdicts_by_shape_between_its_markers(tmp_path):
     """``--page``: the shape table is written between the page's two markers (the rest kept byte for byte, a rerun
     changes nothing); a page without the markers is refused in one line before anything is written."""
