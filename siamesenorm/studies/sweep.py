@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 FINAL = ("finished", "diverged")
 KEPT = (RECORD_NAME, METRICS_NAME, "config.yaml")
+#: in a cell's run folder, beside the trainer's own console.log: what its process printed
+CHILD_OUTPUT = "sweep-output.log"
 
 
 @dataclass(frozen=True)
@@ -205,13 +207,15 @@ def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
            "--try_load_latest_save", *plan.overrides, *cell.overrides(plan.framework)]
     env = {**os.environ, "MODEL_TYPE": cell.model_type, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "console.log", "a") as console:
-        code = _run_child(cmd, env, console)
+    # the trainer writes its own console.log in the run folder; what the process printed (the same lines, and what
+    # comes before that log exists or after it closes: a traceback, a refusal) goes to a file of the sweep's own
+    with open(run_dir / CHILD_OUTPUT, "a") as output:
+        code = _run_child(cmd, env, output)
     record_path = run_dir / RECORD_NAME
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     if code not in (0, EXIT_DIVERGED) or record.get("status") not in FINAL:
         raise RuntimeError(f"{cell.name}: training exited {code} (status {record.get('status')}); see "
-                           f"{run_dir / 'console.log'}")
+                           f"{run_dir / CHILD_OUTPUT}")
     # the results are staged beside the run and moved into place whole: a results folder is complete or absent
     # (a sweep stopped while it analyses leaves none behind, and a reader never sees one half written)
     stage = run_dir / "results-staged"

@@ -140,6 +140,11 @@ def test_v2_plan_groups_knobs_settings_and_checkpoints_over_time(tmp_path):
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "sweep.py"), str(plan)], cwd=ROOT,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    for cell in loaded.cells:  # the trainer's console.log holds each line once; what the process printed is beside it
+        steps = [line for line in (tmp_path / "runs" / cell.name / "console.log").read_text().splitlines()
+                 if " | loss " in line]
+        assert steps and len(steps) == len(set(steps)), steps
+        assert " | loss " in (tmp_path / "runs" / cell.name / "sweep-output.log").read_text()
     steps = json.loads((tmp_path / "results" / loaded.cells[1].name / "analysis-steps.json").read_text())
     assert sorted(steps, key=int) == ["4", "8"] and all(a["lens"]["applies"] for a in steps.values())
     summary = depth_and_dynamics.report(tmp_path / "results", base_depth=2, base_warmup=2, base_steps=6)
