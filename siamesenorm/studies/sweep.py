@@ -57,6 +57,8 @@ log = logging.getLogger(__name__)
 ROOT = Path(__file__).resolve().parents[2]
 FINAL = ("finished", "diverged")
 KEPT = (RECORD_NAME, METRICS_NAME, "config.yaml")
+#: what a cell that the sweep's own stop (SIGTERM, Ctrl-C) cut off is reported as
+STOPPED = "stopped by the signal; it resumes from its latest checkpoint on the next run"
 #: in a cell's run folder, beside the trainer's own console.log: what its process printed
 CHILD_OUTPUT = "sweep-output.log"
 
@@ -198,6 +200,10 @@ def status(plan: Plan, cell: Cell) -> Optional[str]:
     return status if isinstance(status, str) else None
 
 
+class CellStopped(Exception):
+    """A cell whose training the sweep's own stop (SIGTERM, Ctrl-C) cut off: it recorded "stopped" and resumes."""
+
+
 def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
     """Train one cell (resuming if it was cut off), keep its results, analyse it; returns its final status."""
     run_dir = Path(plan.runs) / cell.name
@@ -214,6 +220,8 @@ def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
     record_path = run_dir / RECORD_NAME
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     if code not in (0, EXIT_DIVERGED) or record.get("status") not in FINAL:
+        if _stopping.is_set() and record.get("status") == "stopped":  # the sweep's own stop: not an error
+            raise CellStopped(cell.name)
         raise RuntimeError(f"{cell.name}: training exited {code} (status {record.get('status')}); see "
                            f"{run_dir / CHILD_OUTPUT}")
     # the results are staged beside the run and moved into place whole: a results folder is complete or absent
@@ -330,7 +338,7 @@ def run_plan(plan: Plan, parallel: int = 2, only: Optional[List[str]] = None, ke
             outcomes[cell.name] = (f"{done_elsewhere} by another process" if done_elsewhere in FINAL else
                                    run_cell(plan, cell, keep_checkpoints))
         except Exception as err:  # a failed cell is reported; the others go on
-            outcomes[cell.name] = f"error: {err}"
+            outcomes[cell.name] = STOPPED if isinstance(err, CellStopped) else f"error: {err}"
         echo(f"[{len(outcomes)}/{len(todo)}] {cell.name}: {outcomes[cell.name]} ({time.time() - t0:.0f} s; "
              f"{(time.time() - started) / 60:.1f} min in all)")
 

@@ -165,6 +165,7 @@ def test_sigterm_to_a_sweep_reaches_its_training_process(tmp_path):
     sweep.send_signal(signal.SIGTERM)
     out, err = sweep.communicate(timeout=120)
     assert sweep.returncode == 143 and "stopping the running cells" in err
+    assert "pre-lr0.01-s1: stopped by the signal; it resumes" in out and "error" not in out + err, out + err
     assert not alive(child) and record(run)["status"] == "stopped"
     assert not (tmp_path / "runs" / "post-lr0.01-s1").exists()  # no new cell started after the signal
 
