@@ -10,6 +10,7 @@ import difflib
 import hashlib
 import json
 import math
+import os
 import tempfile
 from dataclasses import dataclass, field
 from glob import glob
@@ -141,8 +142,10 @@ PREPARE_SHIPPED_CORPUS = ("python scripts/prepare_data.py data/austen.jsonl.gz -
 
 
 def _how_to_prepare(pattern: str) -> str:
-    """What to run for missing token files: the exact command where they are the shipped corpus's."""
-    if Path(pattern).as_posix().lstrip("./").startswith(SHIPPED_CORPUS + "/"):
+    """What to run for missing token files: the exact command where they are the shipped corpus's, i.e. under
+    data/prepared/austen-2k/ of the working directory, where that command writes them (an absolute path there
+    counts; ../data/prepared/austen-2k/ does not)."""
+    if Path(os.path.abspath(pattern)).is_relative_to(Path(os.path.abspath(SHIPPED_CORPUS))):
         return f"these are the shipped corpus's token files; prepare them with: {PREPARE_SHIPPED_CORPUS}"
     return _HOW_TO_PREPARE
 

@@ -255,6 +255,14 @@ def test_missing_shipped_corpus_names_the_exact_command_to_prepare_it(tmp_path, 
     with pytest.raises(RunError) as caught:
         check_data_paths(cfg)
     assert "prepare data with scripts/prepare_data.py" in str(caught.value) and "austen" not in str(caught.value)
+    # The command writes under the working directory: a corpus named one folder up is not what it would prepare,
+    # while the same folder named by its absolute path is.
+    from siamesenorm.run.recipe import _how_to_prepare
+
+    assert "austen" not in _how_to_prepare(f"../{SHIPPED_CORPUS}/train/*.npy")
+    assert _how_to_prepare(f"./{SHIPPED_CORPUS}/train/*.npy").endswith(PREPARE_SHIPPED_CORPUS)
+    assert _how_to_prepare(f"{tmp_path}/{SHIPPED_CORPUS}/val/part-0.npy").endswith(PREPARE_SHIPPED_CORPUS)
+    assert "austen" not in _how_to_prepare(f"{SHIPPED_CORPUS}-other/train/*.npy")
 
 
 def test_the_stored_recipe_keys_are_the_config_s_fields():
