@@ -220,7 +220,9 @@ def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
     record_path = run_dir / RECORD_NAME
     record = json.loads(record_path.read_text()) if record_path.is_file() else {}
     if code not in (0, EXIT_DIVERGED) or record.get("status") not in FINAL:
-        if _stopping.is_set() and record.get("status") == "stopped":  # the sweep's own stop: not an error
+        # the sweep's own stop is not an error: the run recorded "stopped", or the signal reached the process before
+        # its handler was in place (it had just started) and killed it; either way the next sweep resumes it
+        if _stopping.is_set() and (record.get("status") == "stopped" or code in (-signal.SIGTERM, -signal.SIGINT)):
             raise CellStopped(cell.name)
         raise RuntimeError(f"{cell.name}: training exited {code} (status {record.get('status')}); see "
                            f"{run_dir / CHILD_OUTPUT}")

@@ -315,3 +315,42 @@ def test_a_sigterm_delivered_to_a_worker_thread_stops_the_sweep_at_once(tmp_path
         signal.signal(signal.SIGTERM, previous)
     assert took < 10, took  # before: the full 60 s of the cell
     assert outcomes == {plan.cells[0].name: "stopped"}  # the second cell never started
+
+
+def test_a_cell_the_sweep_stops_before_its_trainer_starts_is_stopped_not_an_error(tmp_path, monkeypatch):
+    """The sweep's SIGTERM can reach a training process in its first second, before the trainer has put in its
+    handler (seen: a cell started as the sweep was stopped, killed by the signal, no record written). That cell lost
+    nothing and resumes on the next run: it is reported stopped, not as an error of the cell."""
+    import threading
+    import time
+
+    from siamesenorm.studies import sweep
+
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(json.dumps({
+        "recipe": str(TINY), "runs": str(tmp_path / "runs"), "results": str(tmp_path / "results"),
+        "groups": [{"methods": ["pre"], "learning_rates": [1e-2], "seeds": [1]}]}))
+    plan = load_plan(plan_file)
+    starting = tmp_path / "starting.py"  # a trainer still importing: no handler, no record
+    starting.write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setitem(sweep.FRAMEWORKS, plan.framework, (str(starting), "step*"))
+    monkeypatch.setattr(sweep, "_stopping", threading.Event())
+
+    def stop_once_started():
+        while not sweep._children:
+            time.sleep(0.02)
+        sweep.stop_children()
+
+    threading.Thread(target=stop_once_started, daemon=True).start()
+    t0 = time.time()
+    with pytest.raises(sweep.CellStopped):
+        sweep.run_cell(plan, plan.cells[0])
+    assert time.time() - t0 < 30
+    assert not (tmp_path / "results" / plan.cells[0].name).exists()
+    # a training process that dies of something else during a stop is still an error, with its exit status
+    crashing = tmp_path / "crashing.py"
+    crashing.write_text("import sys\nsys.exit(3)\n")
+    monkeypatch.setitem(sweep.FRAMEWORKS, plan.framework, (str(crashing), "step*"))
+    monkeypatch.setattr(sweep, "_run_child", lambda cmd, env, out: subprocess.call(cmd, env=env, stdout=out))
+    with pytest.raises(RuntimeError, match="training exited 3"):
+        sweep.run_cell(plan, plan.cells[0])
