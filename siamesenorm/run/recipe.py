@@ -6,7 +6,6 @@ and ``--dry-run`` call, so a dry run refuses exactly what a real start would.
 
 from __future__ import annotations
 
-import difflib
 import hashlib
 import json
 import math
@@ -23,6 +22,7 @@ from olmo.exceptions import OLMoConfigurationError
 from olmo.util import clean_opt
 
 from siamesenorm.models.config import SiameseModelConfig
+from siamesenorm.run.recipe_keys import missing_recipe
 from siamesenorm.run.stability import StabilityConfig, stability_problem
 
 __all__ = ["SiameseTrainConfig", "MoESettings", "RunError", "load_config", "expand_paths", "check_data_paths",
@@ -82,13 +82,9 @@ def _one_line(err: Exception) -> str:
 
 def load_config(path: str, overrides: Optional[List[str]] = None) -> SiameseTrainConfig:
     """Load a YAML recipe with ``--key=value`` overrides, as OLMo's CLI accepts them."""
-    if not Path(path).exists() or Path(path).is_dir():
-        recipes = sorted(str(p) for p in Path(path).parent.glob("*.y*ml")) or \
-            sorted(str(p) for p in Path("configs").glob("*.yaml"))
-        by_name = {Path(r).name: r for r in recipes}
-        close = difflib.get_close_matches(Path(path).name, list(by_name), n=1, cutoff=0.75)
-        hint = f"did you mean {by_name[close[0]]}? " if close else ""
-        raise RunError(f"config file {path} not found; {hint}pick one from configs/ (docs/training.md lists them).")
+    missing = missing_recipe(path)
+    if missing:
+        raise RunError(missing)
     if not Path(path).is_file():  # a pipe (process substitution, /dev/stdin): read once into a file OLMo can load
         text = Path(path).read_text()
         with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:

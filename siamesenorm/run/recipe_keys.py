@@ -19,7 +19,7 @@ import os
 from pathlib import Path
 from typing import Iterable, List, Optional
 
-__all__ = ["unknown_key", "key_tree", "KEY_FILE"]
+__all__ = ["unknown_key", "missing_recipe", "key_tree", "KEY_FILE"]
 
 KEY_FILE = Path(__file__).with_name("recipe_keys.json")
 
@@ -87,9 +87,26 @@ def _recipe_keys(mapping, prefix: List[str]) -> Iterable[List[str]]:
             yield from _recipe_keys(value, prefix + [key])
 
 
+def missing_recipe(path: str) -> Optional[str]:
+    """One line when no recipe is at ``path`` (absent, or a folder), naming the nearest recipe beside it or in
+    configs/; None otherwise (a pipe or a file: the full load reads it)."""
+    if Path(path).exists() and not Path(path).is_dir():
+        return None
+    recipes = sorted(str(p) for p in Path(path).parent.glob("*.y*ml")) or \
+        sorted(str(p) for p in Path("configs").glob("*.yaml"))
+    by_name = {Path(r).name: r for r in recipes}
+    close = difflib.get_close_matches(Path(path).name, list(by_name), n=1, cutoff=0.75)
+    hint = f"did you mean {by_name[close[0]]}? " if close else ""
+    return f"config file {path} not found; {hint}pick one from configs/ (docs/training.md lists them)."
+
+
 def unknown_key(config_path: str, overrides: Iterable[str]) -> Optional[str]:
     """One line naming the first key of the recipe or of the ``--key=value`` overrides that the config has not,
-    with the nearest field; None when every key is known (or the check cannot tell)."""
+    with the nearest field, or saying the recipe itself is missing (``missing_recipe``); None when every key is
+    known (or the check cannot tell)."""
+    missing = missing_recipe(config_path)
+    if missing:
+        return missing
     tree = _load_tree()
     if tree is None:
         return None

@@ -292,6 +292,9 @@ except SystemExit as e:
     ("olmo_core_train_main", ["configs/tiny-cpu.yaml", "--modle.n_layers=2"],
      "--modle is not a field of the config; did you mean model?"),
     ("train_main", ["RECIPE"], "model.d_modle is not a field of model; did you mean model.d_model?"),
+    ("train_main", ["configs/tiny-cpu.yml"], "config file configs/tiny-cpu.yml not found; did you mean "
+                                             "configs/tiny-cpu.yaml? pick one from configs/"),
+    ("olmo_core_train_main", ["configs", "--dry-run"], "config file configs not found; pick one from configs/"),
 ])
 def test_a_typo_is_one_line_before_torch_or_olmo_is_imported(main, args, says, tmp_path):
     """The issue measured 6-7 s of imports before a typo was reported; the check is on what was imported when the
