@@ -27,6 +27,7 @@ if [ ${#targets[@]} -gt 0 ]; then
   workers=$(nproc 2>/dev/null || echo 1)
   if [ "$workers" -gt 4 ]; then workers=4; fi
   case " $* " in *" -n"*|*" --numprocesses"*|*" no:xdist "*) workers=1 ;; esac  # -n 0, -n0, -n=2, -p no:xdist
-  if [ "$workers" -gt 1 ]; then report+=(-n "$workers" --dist loadfile); fi
+  # (in the order tests/conftest.py gives: the longest files first; xdist would otherwise sort by count of tests)
+  if [ "$workers" -gt 1 ]; then report+=(-n "$workers" --dist loadfile --no-loadscope-reorder); fi
 fi
 python -m pytest -q -p no:cacheprovider ${report[@]+"${report[@]}"} "$@" ${targets[@]+"${targets[@]}"}

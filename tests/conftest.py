@@ -1,7 +1,10 @@
 import collections
 import fcntl
+import json
 import os
+import resource
 import sys
+import time
 
 import pytest
 import torch
@@ -84,12 +87,102 @@ def _no_model_type_env(monkeypatch):
     torch.manual_seed(0)
 
 
+#: Each test file's seconds in a whole-suite run (tests/file_seconds.json; written by a run with
+#: SIAMESENORM_FILE_SECONDS=<path>, see ``pytest_sessionfinish``): the order in which pytest-xdist's workers take files.
+FILE_SECONDS = os.path.join(_HERE, "file_seconds.json")
+
+
+def file_seconds(path: str = FILE_SECONDS) -> dict:
+    """{file: seconds} from a measured run, or {} where the file is missing or unreadable (the order then falls back
+    to the count of slow tests: a wrong table only costs balance, never a test)."""
+    try:
+        with open(path) as f:
+            seconds = json.load(f)["seconds"]
+        return {str(k): float(v) for k, v in seconds.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}
+
+
+def longest_first(files, measured: dict, slow: collections.Counter) -> dict:
+    """Each file's rank in the workers' queue: the longest measured first, so the long files start early and the short
+    ones fill the gaps at the end (a long file left for last holds one worker while the other idles). A file the
+    table does not know (new since it was measured) goes before all of them: its time is unknown, and a long file
+    started first costs nothing; among those, the most slow tests first. Ties keep the collection order."""
+    def key(path):
+        return (0, -slow[path], 0.0) if path not in measured else (1, 0, -measured[path])
+    return {path: rank for rank, path in enumerate(sorted(dict.fromkeys(files), key=key))}
+
+
 def pytest_collection_modifyitems(config, items):
-    """Under pytest-xdist (scripts/test.sh), the files with the most slow tests first: a worker takes a whole file
-    at a time, in this order, so the long files start early and the short ones fill the gaps at the end, instead of a
-    long file left for last on one worker while the other idles. Within a file the order stays as written; a run in
-    one process keeps the collection order."""
+    """Under pytest-xdist (scripts/test.sh: ``--dist loadfile --no-loadscope-reorder``, so this order is the one the
+    workers take files in) the files longest first (``longest_first``). Within a file the order stays as written; a
+    run in one process keeps the collection order."""
     if not os.environ.get("PYTEST_XDIST_WORKER"):
         return
     slow = collections.Counter(item.location[0] for item in items if "slow" in item.keywords)
-    items.sort(key=lambda item: -slow[item.location[0]])  # a stable sort: each file's order kept
+    rank = longest_first([item.location[0] for item in items], file_seconds(), slow)
+    items.sort(key=lambda item: rank[item.location[0]])  # a stable sort: each file's order kept
+
+
+_seconds_by_file: collections.Counter = collections.Counter()
+_cpu_by_file: collections.Counter = collections.Counter()
+
+
+def _cpu_seconds() -> float:
+    """This process's CPU seconds and its finished children's (the training subprocesses a test waits for)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
+def _charge_cpu(item, when):
+    start = _cpu_seconds()
+    yield
+    item.user_properties.append((f"cpu_{when}", _cpu_seconds() - start))  # before the phase's report is made
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield from _charge_cpu(item, "setup")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield from _charge_cpu(item, "call")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item):
+    yield from _charge_cpu(item, "teardown")
+
+
+def pytest_runtest_logreport(report):
+    """Sum each file's set-up, call and tear-down seconds, wall and CPU (in the process that reports: xdist's
+    controller gets every worker's reports, CPU included as a user property)."""
+    path = report.nodeid.split("::", 1)[0]
+    _seconds_by_file[path] += report.duration
+    _cpu_by_file[path] += sum(v for k, v in report.user_properties if k == f"cpu_{report.when}")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    """With SIAMESENORM_FILE_SECONDS=<path>, write each file's seconds there, wall and CPU (what
+    tests/file_seconds.json holds; CPU above wall: a file's tests ran processes side by side; below: they waited):
+    ``SIAMESENORM_FILE_SECONDS=tests/file_seconds.json bash scripts/test.sh`` on the machine CI runs on."""
+    path = os.environ.get("SIAMESENORM_FILE_SECONDS")
+    if not path or os.environ.get("PYTEST_XDIST_WORKER") or not _seconds_by_file:
+        return
+    import datetime
+    import platform
+    import subprocess
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_HERE, capture_output=True,
+                            text=True).stdout.strip()
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
+               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    record = {"measured": f"SIAMESENORM_FILE_SECONDS={path} bash scripts/test.sh at {commit or '?'} on "
+                          f"{os.cpu_count()} x {cpu}, {datetime.date.today()}, exit status {int(exitstatus)}",
+              "total": {"seconds": round(sum(_seconds_by_file.values())), "cpu_seconds": round(sum(_cpu_by_file.values()))},
+              "seconds": {k: round(v, 1) for k, v in sorted(_seconds_by_file.items(), key=lambda kv: -kv[1])},
+              "cpu_seconds": {k: round(_cpu_by_file[k], 1) for k, _ in sorted(_seconds_by_file.items(),
+                                                                              key=lambda kv: -kv[1])}}
+    with open(path, "w") as f:
+        json.dump(record, f, indent=1)
+        f.write("\n")
