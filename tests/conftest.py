@@ -166,7 +166,8 @@ def pytest_runtest_logreport(report):
 def pytest_sessionfinish(session, exitstatus):
     """With SIAMESENORM_FILE_SECONDS=<path>, write each file's seconds there, wall and CPU (what
     tests/file_seconds.json holds; CPU above wall: a file's tests ran processes side by side; below: they waited):
-    ``SIAMESENORM_FILE_SECONDS=tests/file_seconds.json bash scripts/test.sh`` on the machine CI runs on."""
+    ``SIAMESENORM_FILE_SECONDS=$PWD/tests/file_seconds.json bash .ci/run`` in a fresh clone, on the machine CI runs
+    on."""
     path = os.environ.get("SIAMESENORM_FILE_SECONDS")
     if not path or os.environ.get("PYTEST_XDIST_WORKER") or not _seconds_by_file:
         return
@@ -177,7 +178,7 @@ def pytest_sessionfinish(session, exitstatus):
                             text=True).stdout.strip()
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
                platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
-    record = {"measured": f"SIAMESENORM_FILE_SECONDS={path} bash scripts/test.sh at {commit or '?'} on "
+    record = {"measured": f"pytest with SIAMESENORM_FILE_SECONDS={path} at {commit or '?'} on "
                           f"{os.cpu_count()} x {cpu}, {datetime.date.today()}, exit status {int(exitstatus)}",
               "total": {"seconds": round(sum(_seconds_by_file.values())), "cpu_seconds": round(sum(_cpu_by_file.values()))},
               "seconds": {k: round(v, 1) for k, v in sorted(_seconds_by_file.items(), key=lambda kv: -kv[1])},

@@ -88,7 +88,8 @@ def test_no_import_cycle_in_the_package():
 #    in the function that needs them. Every command module (siamesenorm/cli/) is one.
 _COMMANDS = sorted(f"siamesenorm.cli.{p.stem}" for p in (PACKAGE / "cli").glob("*.py") if p.stem != "__init__")
 LIGHT = {"siamesenorm", "siamesenorm.cli", *_COMMANDS, "siamesenorm.models.olmo_hook", "siamesenorm.models.names",
-         "siamesenorm.models.olmo_patch", "siamesenorm.run.recipe_keys", "siamesenorm.run.console",
+         "siamesenorm.models.olmo_patch", "siamesenorm.run.recipe_keys", "siamesenorm.run.recipe_paths",
+         "siamesenorm.run.console",
          "siamesenorm.run.data", "siamesenorm.run.records", "siamesenorm.run.stability", "siamesenorm.olmo_core",
          "siamesenorm.cluster.gpucheck", "siamesenorm.cluster.slurm", "siamesenorm.studies.sweep"}
 # 2. Third-party modules one feature needs (export, figures, online logging, data preparation, the second framework)

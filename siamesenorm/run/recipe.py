@@ -22,7 +22,7 @@ from olmo.exceptions import OLMoConfigurationError
 from olmo.util import clean_opt
 
 from siamesenorm.models.config import SiameseModelConfig
-from siamesenorm.run.recipe_keys import missing_recipe
+from siamesenorm.run.recipe_paths import missing_recipe
 from siamesenorm.run.stability import StabilityConfig, stability_problem
 
 __all__ = ["SiameseTrainConfig", "MoESettings", "RunError", "load_config", "expand_paths", "check_data_paths",

@@ -19,7 +19,9 @@ import os
 from pathlib import Path
 from typing import Iterable, List, Optional
 
-__all__ = ["unknown_key", "missing_recipe", "key_tree", "KEY_FILE"]
+from siamesenorm.run.recipe_paths import missing_recipe
+
+__all__ = ["unknown_key", "key_tree", "KEY_FILE"]
 
 KEY_FILE = Path(__file__).with_name("recipe_keys.json")
 
@@ -85,19 +87,6 @@ def _recipe_keys(mapping, prefix: List[str]) -> Iterable[List[str]]:
         yield prefix + [key]
         if isinstance(value, dict):
             yield from _recipe_keys(value, prefix + [key])
-
-
-def missing_recipe(path: str) -> Optional[str]:
-    """One line when no recipe is at ``path`` (absent, or a folder), naming the nearest recipe beside it or in
-    configs/; None otherwise (a pipe or a file: the full load reads it)."""
-    if Path(path).exists() and not Path(path).is_dir():
-        return None
-    recipes = sorted(str(p) for p in Path(path).parent.glob("*.y*ml")) or \
-        sorted(str(p) for p in Path("configs").glob("*.yaml"))
-    by_name = {Path(r).name: r for r in recipes}
-    close = difflib.get_close_matches(Path(path).name, list(by_name), n=1, cutoff=0.75)
-    hint = f"did you mean {by_name[close[0]]}? " if close else ""
-    return f"config file {path} not found; {hint}pick one from configs/ (docs/training.md lists them)."
 
 
 def unknown_key(config_path: str, overrides: Iterable[str]) -> Optional[str]:
