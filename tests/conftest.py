@@ -176,14 +176,18 @@ def pytest_sessionfinish(session, exitstatus):
     import subprocess
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=_HERE, capture_output=True,
                             text=True).stdout.strip()
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor()) if os.path.exists("/proc/cpuinfo") else platform.processor()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor()
+    files = sorted(_seconds_by_file, key=_seconds_by_file.get, reverse=True)
     record = {"measured": f"pytest with SIAMESENORM_FILE_SECONDS={path} at {commit or '?'} on "
                           f"{os.cpu_count()} x {cpu}, {datetime.date.today()}, exit status {int(exitstatus)}",
-              "total": {"seconds": round(sum(_seconds_by_file.values())), "cpu_seconds": round(sum(_cpu_by_file.values()))},
-              "seconds": {k: round(v, 1) for k, v in sorted(_seconds_by_file.items(), key=lambda kv: -kv[1])},
-              "cpu_seconds": {k: round(_cpu_by_file[k], 1) for k, _ in sorted(_seconds_by_file.items(),
-                                                                              key=lambda kv: -kv[1])}}
+              "total": {"seconds": round(sum(_seconds_by_file.values())),
+                        "cpu_seconds": round(sum(_cpu_by_file.values()))},
+              "seconds": {k: round(_seconds_by_file[k], 1) for k in files},
+              "cpu_seconds": {k: round(_cpu_by_file[k], 1) for k in files}}
     with open(path, "w") as f:
         json.dump(record, f, indent=1)
         f.write("\n")

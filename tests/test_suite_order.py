@@ -1,7 +1,6 @@
 """The order in which scripts/test.sh's pytest-xdist workers take the test files: the longest measured first."""
 import collections
 import json
-import re
 from pathlib import Path
 
 from conftest import FILE_SECONDS, file_seconds, longest_first
@@ -30,12 +29,12 @@ def test_a_missing_or_broken_table_orders_by_slow_tests_and_never_fails(tmp_path
 
 def test_the_committed_table_is_read_and_xdist_keeps_its_order():
     """The table in the repository parses, names most of today's test files and few that are gone (a stale entry
-    only costs balance, but a table of nothing would silently fall back), and scripts/test.sh turns off xdist's own reordering (by count of
-    tests a file), which would otherwise replace this order."""
+    only costs balance, but a table of nothing would silently fall back), and scripts/test.sh turns off xdist's own
+    reordering (by count of tests a file), which would otherwise replace this order."""
     measured = file_seconds(FILE_SECONDS)
     files = {str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")}
     assert len(set(measured) & files) >= 0.8 * len(files), \
-        "tests/file_seconds.json misses many test files: SIAMESENORM_FILE_SECONDS=tests/file_seconds.json bash .ci/run"
+        "tests/file_seconds.json misses many test files: SIAMESENORM_FILE_SECONDS=$PWD/tests/file_seconds.json bash .ci/run"
     assert sum((ROOT / path).is_file() for path in measured) >= 0.9 * len(measured)
     script = (ROOT / "scripts" / "test.sh").read_text()
-    assert re.search(r"--dist loadfile --no-loadscope-reorder", script)
+    assert "--dist loadfile --no-loadscope-reorder" in script
