@@ -171,7 +171,8 @@ def test_in_loop_downstream_evaluation_runs_on_cpu(tmp_path, monkeypatch):
     from olmo.eval import build_evaluators
 
     from siamesenorm import build_model
-    from siamesenorm.ai2_olmo.train import SiameseTrainer, load_config
+    from siamesenorm.ai2_olmo.train import load_config
+    from siamesenorm.ai2_olmo.trainer import SiameseTrainer
 
     cfg = load_config(str(TINY), [
         "--model.d_model=32", "--model.n_heads=2", "--model.n_layers=2", "--model.vocab_size=50280",

@@ -309,6 +309,39 @@ def test_a_typo_is_one_line_before_torch_or_olmo_is_imported(main, args, says, t
     assert lines[1].rstrip() == "EXIT 2", f"exit status or heavy imports: {lines[1]}"
 
 
+_FULL_CHECK_IMPORTS = """
+import sys
+from siamesenorm.cli import commands as cli
+try:
+    cli.train_main(sys.argv[1:])
+except SystemExit as e:
+    heavy = ("olmo", "olmo.train", "olmo.eval", "torchmetrics", "wandb")
+    print("EXIT", e.code, ",".join(m for m in heavy if m in sys.modules), file=sys.stderr)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("args,says", [
+    (["--model.init_std=inf"], "model.init_std is inf"),
+    (["--data.paths=[DATA/none/*.npy]"], "no data at"),
+    (["--dry-run"], None),
+])
+def test_the_full_checks_and_a_dry_run_finish_before_olmos_trainer_is_imported(args, says, tmp_path, austen_prepared):
+    """A start refused by the full load (OLMo's config, the data) or a dry run, which run every check a start makes,
+    end before OLMo's Trainer and its evaluators (torchmetrics, wandb: about 5 s of CPU of imports) are imported."""
+    folder = tmp_path / "run"
+    args = [a.replace("DATA", str(tmp_path)) for a in args]
+    proc = subprocess.run([sys.executable, "-c", _FULL_CHECK_IMPORTS, "configs/tiny-cpu.yaml", *args,
+                           f"--save_folder={folder}"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "MODEL_TYPE": "hybrid_pre"})
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == ("EXIT 2 olmo" if says else "EXIT 0 olmo"), proc.stderr[-2000:]  # OLMo's config, not its Trainer
+    if says:
+        assert says in proc.stderr and not folder.exists(), proc.stderr[-2000:]
+    else:
+        assert "a real start would: fresh" in proc.stdout and "model_type: hybrid_pre" in proc.stdout
+
+
 def test_known_keys_and_list_items_pass_the_light_check():
     """One-sided: a known key, a bare flag, a list item or a free-form value is never named (the full load judges)."""
     from siamesenorm.run.recipe_keys import unknown_key

@@ -74,7 +74,8 @@ def test_hc_output_weights_start_scaled_for_n_streams(n):
 
 
 def optimizer_groups(model_cfg_overrides, model_type):
-    from siamesenorm.ai2_olmo.train import build_optimizer_with_coefficients, load_config
+    from siamesenorm.ai2_olmo.train import load_config
+    from siamesenorm.ai2_olmo.trainer import build_optimizer_with_coefficients
 
     cfg = load_config(str(ROOT / "configs" / "tiny-cpu.yaml"))
     model = build_model(tiny_config(**model_cfg_overrides), model_type)
