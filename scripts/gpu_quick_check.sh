@@ -34,14 +34,6 @@ export PYTHONUNBUFFERED=1
 cat "$DIR/environment.txt"
 ARGS=(--recipe configs/OLMo-1B-2e-3.yaml --layers 4 --batch 4 --seq 2048 --repeats 5 --steps-per-timing 2
       --model-types pre post_pre hybrid_pre hc mhc)
-stage() {  # stage NAME LIMIT COMMAND...: its output to NAME.log, its exit code and seconds to stages.txt
-    local name=$1 limit=$2 start=$SECONDS; shift 2
-    echo "== $name (limit ${limit} s): $*"
-    timeout -k 10 "$limit" "$@" > "$DIR/$name.log" 2>&1
-    local code=$?
-    echo "$name exit $code after $((SECONDS - start)) s" | tee -a "$DIR/stages.txt"
-    tail -n 12 "$DIR/$name.log"
-}
 eager() {
     stage "eager-fused-$1" "${T_EAGER:-120}" "$PY" scripts/benchmark.py "${ARGS[@]}" --modes eager \
         --fused "$1" --json "$DIR/eager-fused-$1.json"
@@ -55,22 +47,4 @@ stage tune-kernels "${T_TUNE:-240}" "$PY" scripts/benchmark.py --recipe configs/
 stage profile-eager "${T_PROFILE:-90}" "$PY" scripts/benchmark.py "${ARGS[@]}" --modes eager --fused on --profile \
     --json "$DIR/profile-eager.json"
 eager off
-stage kernels "${T_KERNELS:-150}" "$PY" - "$DIR/kernels.json" <<'EOF'
-import json, sys, time
-import torch
-from siamesenorm.nn import fused
-out, results = sys.argv[1], []
-# bf16, every combination; then fp64 inputs, one combination an op with every part on (fused.SIZE_CASES): the fp64
-# pass over every combination did not fit the first lease's stage (Triton compiles each combination anew)
-for d, rows, dtype, tol, select in ((2048, (3, 67), torch.bfloat16, 3e-2, None),
-                                    (2048, (3, 67), torch.float64, fused.AT_SIZE_FP64_TOL, fused.SIZE_CASES)):
-    start, seen = time.time(), []
-    bad = fused.check("cuda", d=d, rows=rows, seen=seen, dtype=dtype, tol=tol, select=select)
-    kernels = "triton" if fused.available(torch.zeros(1, device="cuda")) else "torch"
-    results.append({"d": d, "rows": list(rows), "dtype": str(dtype), "tol": tol, "kernels": kernels,
-                    "combinations": len(seen), "mismatches": [str(b) for b in bad[:5]], "n_mismatches": len(bad),
-                    "seconds": round(time.time() - start, 1)})
-    print(results[-1], flush=True)
-    with open(out, "w") as f:
-        json.dump(results, f, indent=1)
-EOF
+stage kernels "${T_KERNELS:-150}" "$PY" -c "$KERNEL_CHECK" "$DIR/kernels.json"

@@ -49,8 +49,9 @@ def main(argv=None) -> int:
                         "compiled, the default) each block compiled by inductor (minutes a variant on 2 CPU cores), "
                         "and the estimated step time against pre on A100 / H100 / H200 (siamesenorm/perf/costmodel.py)")
     parser.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                        help="--cost-model / --memory-model: a recipe field changed, as the training command's "
-                        "--KEY=VALUE (e.g. --set model.siamese_mixing=dynamic --set model.attnres_blocks=8); repeatable")
+                        help="a recipe field changed for every variant measured, pre included (timing, --profile, "
+                        "--cost-model, --memory-model), as the training command's --KEY=VALUE (e.g. --set "
+                        "model.siamese_mixing=dynamic --set model.attnres_blocks=8); repeatable")
     parser.add_argument("--memory-model", action="store_true",
                         help="instead of timing: GiB per GPU of one step of the recipe at its microbatch under FSDP "
                         "full shard (--gpus), bf16, by parts, recompute on and off and with whole-layer activation "
@@ -174,6 +175,14 @@ def main(argv=None) -> int:
             print(f"wrote {args.json}")
         return 0
     args.batch, args.seq = args.batch or 4, args.seq or 256
+    if args.overrides:  # a --set the config refuses: its one line before any model is built
+        from siamesenorm.run.recipe import load_config
+
+        try:
+            load_config(args.recipe, [f"--{kv.lstrip('-')}" for kv in args.overrides])
+        except Exception as e:
+            print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+            return 2
     from siamesenorm.perf.benchmark import (
         BenchSettings,
         breakdown,
@@ -193,7 +202,8 @@ def main(argv=None) -> int:
                              steps_per_timing=args.steps_per_timing, modes=args.modes,
                              group_size=args.group_size,
                              recompute=None if args.recompute is None else args.recompute == "on",
-                             fused=None if args.fused is None else args.fused == "on", precision=args.precision)
+                             fused=None if args.fused is None else args.fused == "on", precision=args.precision,
+                             overrides=tuple(args.overrides))
     if args.recompute_cost:
         for mt, r in recompute_cost(settings).items():
             print(f"{mt:15s} recompute on {r['on']:.3f}  off {r['off']:.3f}  (step time / pre's, recompute on)")

@@ -63,6 +63,9 @@ class BenchSettings:
     # "bf16" (autocast, as OLMo's amp_bf16 trains) or "fp32"; None: on a GPU the recipe's precision, on a CPU fp32
     # (the CPU figures here were measured so, and a CPU trains the tiny recipes in fp32)
     precision: Optional[str] = None
+    # recipe fields changed, as the training command's --KEY=VALUE without the dashes (e.g. model.siamese_mixing=
+    # dynamic), applied to every variant timed, pre included
+    overrides: Sequence[str] = ()
 
 
 def autocast_dtype(settings: BenchSettings) -> Optional[torch.dtype]:
@@ -77,8 +80,9 @@ def autocast_dtype(settings: BenchSettings) -> Optional[torch.dtype]:
 
 
 def model_config(settings: BenchSettings):
-    """The recipe's model config with the benchmark's cuts applied (fewer layers, another width, the sequence)."""
-    cfg = load_config(settings.recipe).model
+    """The recipe's model config with the benchmark's cuts and overrides applied (fewer layers, another width, the
+    sequence, ``overrides``)."""
+    cfg = load_config(settings.recipe, [f"--{kv.lstrip('-')}" for kv in settings.overrides]).model
     if settings.layers is not None:
         cfg.n_layers = settings.layers
     if settings.d_model is not None:

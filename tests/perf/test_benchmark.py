@@ -6,7 +6,7 @@ import torch
 from conftest import tiny_config
 
 from siamesenorm import MODEL_TYPES, build_model
-from siamesenorm.perf.benchmark import BenchSettings, activation_bytes, run, to_markdown
+from siamesenorm.perf.benchmark import BenchSettings, activation_bytes, model_config, run, to_markdown
 
 
 def test_activation_bytes_counts_saved_tensors_once_and_leaves_out_parameters():
@@ -160,6 +160,21 @@ def test_allow_recompiles_lets_every_compiled_block_specialise_under_fullgraph()
     finally:
         torch._dynamo.config.recompile_limit = saved
         torch._dynamo.reset()
+
+
+def test_a_timing_builds_its_variants_with_the_recipe_fields_set(capsys):
+    """``--set`` reaches the timed models (stream mixing, Block AttnRes), not only the cost and memory models; a field
+    the config refuses is one line before any model is built."""
+    plain = model_config(BenchSettings(device="cpu"))
+    mixed = model_config(BenchSettings(device="cpu", overrides=("model.siamese_mixing=dynamic",
+                                                                "--model.attnres_blocks=2")))
+    assert (plain.siamese_mixing, mixed.siamese_mixing) != ("dynamic", "dynamic") and mixed.siamese_mixing == "dynamic"
+    assert mixed.attnres_blocks == 2 != plain.attnres_blocks
+    from siamesenorm.cli.benchmark import main
+
+    assert main(["--model-types", "hybrid_pre", "--set", "model.no_such_field=1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "no_such_field" in err[0]
 
 
 def test_precision_follows_the_recipe_on_a_gpu_and_is_fp32_on_a_cpu_unless_asked():
