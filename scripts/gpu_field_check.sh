@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 2026-field designs on a GPU (issue 43), for a lease of 15 minutes in two calls (one GPU, torch, no package
+# The 2026-field designs on a GPU, for a lease of 15 minutes in two calls (one GPU, torch, no package
 # index): step time, peak memory and MFU of keel, lns, prores and attnres (Full) beside pre, post_pre, hybrid_pre,
 # hc and mhc, and of SiameseNorm with dynamic stream mixing (model.siamese_mixing=dynamic) beside pre, at the 1.3B
 # width cut to 4 layers, batch 4 x 2048, bf16 autocast as the recipe trains, fused on; and this project's kernels

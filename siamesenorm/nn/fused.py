@@ -243,10 +243,14 @@ def _rows(t: Tensor, d: int) -> Tuple[Tensor, int]:
 
 
 #: Rows a program of the row-block backwards (the stream op's, the head norms', the pair mix's), which sum their
-#: weights' gradients per program and then over programs; and the head-norm backward's warps (a 64 x 128 fp32
-#: tile of each of several tensors at 16 heads of 128). Tunable (``TUNABLES``).
-_ROWS_PER_PROGRAM = 64
-_HEAD_WARPS = 4
+#: weights' gradients per program and then over programs; and the head-norm backward's warps (a rows x 128 fp32
+#: tile of each of several tensors at 16 heads of 128). Tunable (``TUNABLES``). Set from the H200's tuning
+#: (results/gpu/h200-2026-11-28, 1.3B width, 4 x 2048 tokens): at 64 rows and 4 warps HybridNorm's head-norm
+#: backward (normalising, weights, RoPE) took 6,749 us a call, 26.8 ms of a 4-layer step; at 16 rows and 8 warps
+#: 538 us, the stream op's backward 168 -> 117 us (hybrid_pre) and 132 -> 83 us (pre), pre's RoPE-only head backward
+#: 137 -> 125 us.
+_ROWS_PER_PROGRAM = 16
+_HEAD_WARPS = 8
 
 
 def _warps(d: int) -> int:
@@ -387,7 +391,7 @@ def _triton_backward(xs, y1, dxa, dy1, dh, weights, scale, x_norm, in_norm, has_
         dy = new((rows, d)) if has_h else dy1  # the end of a block writes dO only
         dx, dxy_stride = new((rows, d)) if has_x and has_h else dy, d
     do = torch.empty((rows, d), dtype=o_dtype, device=dy1.device) if has_o else dy
-    per = min(_ROWS_PER_PROGRAM, rows)  # rows per program: 64 at training sizes; a small call, one program
+    per = min(_ROWS_PER_PROGRAM, rows)  # rows per program: 16 at training sizes; a small call, one program
     programs = triton.cdiv(rows, per)
     partials = [torch.empty((programs, d), dtype=torch.float32, device=dy.device) if w is not None else dy
                 for w in weights]

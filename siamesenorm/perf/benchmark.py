@@ -547,10 +547,11 @@ def kernel_bandwidth(profiled: Dict, by_op: Dict[str, Dict[str, Dict[str, list]]
 
 #: Launch sizes ``tune_kernels`` tries by default, one change at a time from siamesenorm/nn/fused.py's defaults:
 #: more, smaller programs where the H100 profile showed kernels far below the bandwidth (the row-block backwards
-#: ran 128 programs of 64 rows at 8,192 tokens on 132 SMs; the coefficient projection, Sinkhorn's backward), and
-#: the other way, so that a gain is seen as a trend, not one point.
-KERNEL_CANDIDATES = ({}, {"_ROWS_PER_PROGRAM": 16}, {"_ROWS_PER_PROGRAM": 32}, {"_HEAD_WARPS": 8},
-                     {"_ROWS_PER_PROGRAM": 16, "_HEAD_WARPS": 8}, {"_PROJECT_BLOCK_R": 16}, {"_PROJECT_BLOCK_N": 128}, {"_PROJECT_DX_CHUNKS": 1},
+#: then ran 128 programs of 64 rows at 8,192 tokens on 132 SMs; the coefficient projection, Sinkhorn's backward), and
+#: the other way, so that a gain is seen as a trend, not one point. The row blocks and head warps sit at what the
+#: H200 chose on 2026-11-28 (16 rows, 8 warps; 64 and 4 before): the candidates try each side of them.
+KERNEL_CANDIDATES = ({}, {"_ROWS_PER_PROGRAM": 8}, {"_ROWS_PER_PROGRAM": 32}, {"_HEAD_WARPS": 4},
+                     {"_HEAD_WARPS": 16}, {"_ROWS_PER_PROGRAM": 64, "_HEAD_WARPS": 4}, {"_PROJECT_BLOCK_R": 16}, {"_PROJECT_BLOCK_N": 128}, {"_PROJECT_DX_CHUNKS": 1},
                      {"_PROJECT_DX_CHUNKS": 16}, {"_PROJECT_DW_PROGRAMS": 1024}, {"_PROJECT_DW_PROGRAMS": 4096},
                      {"_SINKHORN_BLOCK_T": 16}, {"_SINKHORN_BLOCK_T": 16, "_SINKHORN_WARPS": 1},
                      {"_SINKHORN_BLOCK_T": 8, "_SINKHORN_WARPS": 1}, {"_MIX_BLOCK_T": 8}, {"_MIX_BLOCK_T": 32},
