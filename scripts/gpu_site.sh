@@ -1,11 +1,11 @@
-# Sourced by scripts/gpu_check.sh, gpu_quick_check.sh and gpu_field_check.sh (not run alone): install_wheels WHEELS installs
-# the wheelhouse into a fresh private folder (mktemp: mode 0700, a name no other user can guess or plant a
-# sitecustomize.py in beforehand), removed when the calling script ends however it ends, and puts this checkout's
-# code first on PYTHONPATH, the wheels' packages next. Uses $PY (the Python that holds torch). stage NAME LIMIT
-# COMMAND... runs one stage of a lease under its own time limit (output in $DIR/NAME.log, exit code and seconds
-# appended to $DIR/stages.txt), so a lease cut short keeps the stages that finished; "$PY" -c "$KERNEL_CHECK" OUT
-# checks this project's kernels on the GPU against their references at d 2048 (siamesenorm.nn.fused.check) into
-# OUT (JSON).
+# Sourced by scripts/gpu_check.sh, gpu_quick_check.sh and gpu_field_check.sh (not run alone): install_wheels
+# WHEELS installs the wheelhouse into a fresh private folder (mktemp: mode 0700, a name no other user can guess or
+# plant a sitecustomize.py in beforehand), removed when the calling script ends however it ends, and puts this
+# checkout's code first on PYTHONPATH, the wheels' packages next. Uses $PY (the Python that holds torch).
+# stage NAME LIMIT COMMAND... runs one stage of a lease under its own time limit (output in $DIR/NAME.log, exit
+# code and seconds appended to $DIR/stages.txt), so a lease cut short keeps the stages that finished; "$PY" -c
+# "$KERNEL_CHECK" OUT checks this project's kernels on the GPU against their references at d 2048
+# (siamesenorm.nn.fused.check) into OUT (JSON).
 install_wheels() {
     local wheels=$1
     ls "$wheels"/*.whl >/dev/null 2>&1 || { echo "error: no wheels in $wheels: fill it with bash scripts/gpu_wheelhouse.sh on a machine with PyPI" >&2; exit 2; }

@@ -161,9 +161,10 @@ def test_triton_kernels_in_the_interpreter():
         # 2048-wide row block with a partial tail, the stream mix's feature loop in 32 chunks of 64, the last partial;
         # the head norms at the recipes' head size, 128), 66 rows, two sequences of 33 (each launch's programs full
         # and the last one partial, 2 rows, with a sequence ending inside a program: the row-block backwards in 5
-        # programs of 16 (fused._ROWS_PER_PROGRAM); Sinkhorn in 2 of 64 tokens; the stream mix in 5 of 16 tokens; the coefficient projection in
-        # 3 programs of 32 rows over 128 chunks of 64 features (mHC's 8,160) or 32 (hc's 2,040), each ending in a
-        # partial chunk, and its weight gradient in row splits, the last partial, hc's last ones empty). 130 rows
+        # programs of 16 (fused._ROWS_PER_PROGRAM); Sinkhorn in 2 of 64 tokens; the stream mix in 5 of 16 tokens;
+        # the coefficient projection in 3 programs of 32 rows over 128 chunks of 64 features (mHC's 8,160) or 32
+        # (hc's 2,040), each ending in a partial chunk, and its weight gradient in row splits, the last partial,
+        # hc's last ones empty). 130 rows
         # (2 x 65) ran the same paths with more full programs, at about twice the interpreter's time.
         # bf16 inputs within the tolerance above, fp64 inputs within fused.AT_SIZE_FP64_TOL of each tensor's largest
         # value: fp32 inside, the weights' gradients sum the rows' up to 8,160 features in another order than the
