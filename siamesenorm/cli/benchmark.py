@@ -16,6 +16,18 @@ from siamesenorm.models.names import model_type_names
 MODEL_TYPES = model_type_names()  # read from the variant files without importing them: --help stays fast
 
 
+def _recipe(args):
+    """The recipe with every ``--set`` applied, or None after the one line a recipe or ``--set`` the config refuses
+    gets (the caller exits 2)."""
+    from siamesenorm.run.recipe import load_config
+
+    try:
+        return load_config(args.recipe, [f"--{kv.lstrip('-')}" for kv in args.overrides])
+    except Exception as e:
+        print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        return None
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--recipe", default="configs/tiny-cpu.yaml", help="the config whose model is measured")
@@ -114,12 +126,9 @@ def main(argv=None) -> int:
         import json
 
         from siamesenorm.perf import costmodel
-        from siamesenorm.run.recipe import load_config
 
-        try:
-            cfg = load_config(args.recipe, [f"--{kv.lstrip('-')}" for kv in args.overrides])
-        except Exception as e:  # a recipe or --set the config refuses: its own one-line message
-            print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        cfg = _recipe(args)
+        if cfg is None:
             return 2
         if args.fused is not None:
             cfg.model.fused_streams = args.fused == "on"
@@ -138,12 +147,9 @@ def main(argv=None) -> int:
         import json
 
         from siamesenorm.perf import costmodel
-        from siamesenorm.run.recipe import load_config
 
-        try:
-            cfg = load_config(args.recipe, [f"--{kv.lstrip('-')}" for kv in args.overrides])
-        except Exception as e:  # a recipe or --set the config refuses: its own one-line message
-            print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
+        cfg = _recipe(args)
+        if cfg is None:
             return 2
         model_cfg = dataclasses.replace(cfg.model, **{k: v for k, v in (
             ("n_layers", args.layers), ("d_model", args.d_model),
@@ -175,14 +181,8 @@ def main(argv=None) -> int:
             print(f"wrote {args.json}")
         return 0
     args.batch, args.seq = args.batch or 4, args.seq or 256
-    if args.overrides:  # a --set the config refuses: its one line before any model is built
-        from siamesenorm.run.recipe import load_config
-
-        try:
-            load_config(args.recipe, [f"--{kv.lstrip('-')}" for kv in args.overrides])
-        except Exception as e:
-            print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
-            return 2
+    if args.overrides and _recipe(args) is None:  # a --set the config refuses: its line before any model is built
+        return 2
     from siamesenorm.perf.benchmark import (
         BenchSettings,
         breakdown,
