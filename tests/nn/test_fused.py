@@ -22,9 +22,14 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Where scripts/setup_env.sh installs Triton for its interpreter (not into the environment: torch's CPU build
 #: does not expect it there).
 TRITON_TARGET = Path(sys.prefix) / "triton-interpreter"
-#: Triton's interpreter in a child process: the Triton it needs and this checkout first on the path, one thread.
+#: Triton's interpreter in a child process: the Triton it needs, this checkout and this folder (interpreter_memo.py)
+#: first on the path, one thread. Each child's code starts with INTERPRETER_START.
 INTERPRETER_ENV = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
-                       PYTHONPATH=os.pathsep.join([str(TRITON_TARGET), str(ROOT)]))
+                       PYTHONPATH=os.pathsep.join([str(TRITON_TARGET), str(ROOT), str(Path(__file__).parent)]))
+#: the interpreter's patching once a jit function, not once a call (interpreter_memo.py: a third less CPU), then the
+#: kernels, not the torch path
+INTERPRETER_START = ("import interpreter_memo, torch; from siamesenorm.nn import fused; "
+                     "assert fused.available(torch.zeros(1)), 'not the kernels'; ")
 needs_interpreter = pytest.mark.skipif(not (TRITON_TARGET / "triton").is_dir(),
                                        reason=f"Triton for its interpreter is not in {TRITON_TARGET} "
                                        "(bash scripts/setup_env.sh puts it there)")
@@ -140,8 +145,7 @@ def test_the_check_catches_a_wrong_backward(monkeypatch):
 def test_triton_kernels_in_the_interpreter():
     """The Triton kernels themselves (forward and backward, every flag, fp64 and bf16 inputs; then one combination an
     op at a size that runs every code path, fp64 and bf16), run by Triton's interpreter on CPU."""
-    code = ("import torch; from siamesenorm.nn import fused; "
-            "assert fused.available(torch.zeros(1)), 'not the kernels'; seen = []; "
+    code = (INTERPRETER_START + "seen = []; "
             "print('{dtype}', 'mismatches', fused.check(dtype=torch.{dtype}, tol={tol}, seen=seen), len(seen)); "
             "seen = []; print('{big}', 'at size', 'mismatches', fused.check(d=2040, rows=(2, 33), "
             "dtype=torch.{big}, tol={big_tol}, seen=seen, select=fused.SIZE_CASES), len(seen))")
@@ -569,8 +573,7 @@ def test_sinkhorn_backward_replays_in_segments_of_any_length():
     """Sinkhorn's backward kernel replays its iterates in segments (``fused._SINKHORN_SEGMENT``, 8); with segments of
     1, 7 (40 half-steps: the last segment partial) and 64 (one segment, longer than the steps) its gradient is the
     reference's, fp64 within 2e-5, in Triton's interpreter."""
-    code = ("import torch; from siamesenorm.nn import fused; assert fused.available(torch.zeros(1)); "
-            "select = lambda c: c.get('sinkhorn', False) and c['n'] == 4\n"
+    code = (INTERPRETER_START + "select = lambda c: c.get('sinkhorn', False) and c['n'] == 4\n"
             "for segment in (1, 7, 64):\n"
             "    fused._SINKHORN_SEGMENT = segment; seen = []\n"
             "    print(segment, len(fused.check(d=48, rows=(2, 5), dtype=torch.float64, tol=2e-5, seen=seen, "
