@@ -22,8 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: Where scripts/setup_env.sh installs Triton for its interpreter (not into the environment: torch's CPU build
 #: does not expect it there).
 TRITON_TARGET = Path(sys.prefix) / "triton-interpreter"
-#: Triton's interpreter in a child process: the Triton it needs, this checkout and this folder (interpreter_memo.py)
-#: first on the path, one thread. Each child's code starts with INTERPRETER_START.
+#: Triton's interpreter in a child process: the Triton it needs and this checkout first on the path, then this folder
+#: (for interpreter_memo.py), one thread. Each child's code starts with INTERPRETER_START.
 INTERPRETER_ENV = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1",
                        PYTHONPATH=os.pathsep.join([str(TRITON_TARGET), str(ROOT), str(Path(__file__).parent)]))
 #: the interpreter's patching once a jit function, not once a call (interpreter_memo.py: stream_input's combinations
