@@ -225,9 +225,10 @@ def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_see
             a, b = conf["best"], base["best"]
             row.update(n=len(a["seeds"]), baseline_n=len(b["seeds"]), mean=a["mean"], baseline_mean=b["mean"],
                        difference=a["mean"] - b["mean"])
-            if min(row["n"], row["baseline_n"]) < min_seeds:
-                row["verdict"] = f"not judged: {min(row['n'], row['baseline_n'])} seeds (the standard asks {min_seeds})"
-                if min(row["n"], row["baseline_n"]) >= 2:
+            fewest = min(row["n"], row["baseline_n"])
+            if fewest < min_seeds:
+                row["verdict"] = f"not judged: {fewest} seed{'s' if fewest != 1 else ''} (the standard asks {min_seeds})"
+                if fewest >= 2:
                     row.update(welch(a["ppl"], b["ppl"]))
             else:
                 row.update(welch(a["ppl"], b["ppl"]))

@@ -87,7 +87,7 @@ def test_verdicts_follow_the_standard(tmp_path):
     assert rows["same"]["verdict"] == "within the noise floor"
     assert rows["twoseeds-d_model=32-n_layers=8"]["baseline"] == "pre-d_model=32-n_layers=8"
     assert rows["twoseeds-d_model=32-n_layers=8"]["verdict"].startswith("not judged: 2 seeds")
-    assert rows["fragile"]["verdict"].startswith("not judged: 1 seeds")
+    assert rows["fragile"]["verdict"].startswith("not judged: 1 seed (")
     tolerance = report["configurations"]["good"]["tolerance"]
     assert [(t["multiple"], t["diverged"], t["seeds"]) for t in tolerance] == [(pytest.approx(1 / 0.3), 1, 1)]
     assert report["configurations"]["pre"]["tolerance"][0]["loss_spikes"] == pytest.approx(2.0)
