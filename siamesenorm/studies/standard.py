@@ -227,7 +227,7 @@ def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_see
                        difference=a["mean"] - b["mean"])
             fewest = min(row["n"], row["baseline_n"])
             if fewest < min_seeds:
-                row["verdict"] = f"not judged: {fewest} seed{'s' if fewest != 1 else ''} (the standard asks {min_seeds})"
+                row["verdict"] = f"not judged: {_seeds(fewest)} (the standard asks {min_seeds})"
                 if fewest >= 2:
                     row.update(welch(a["ppl"], b["ppl"]))
             else:
@@ -244,6 +244,11 @@ def standard_report(folders: Sequence[str | Path], alpha: float = ALPHA, min_see
 
 
 # ---- the page --------------------------------------------------------------------------------------------------------
+def _seeds(n: int) -> str:
+    """"1 seed", "3 seeds": the count as the tables write it."""
+    return f"{n} seed{'s' * (n != 1)}"
+
+
 def _num(value: Optional[float], digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
@@ -295,7 +300,7 @@ def shape_table(report: Dict) -> str:
             best = confs[row["configuration"]]["best"] or {}
             if "p_holm" not in row:
                 n = len(best.get("seeds", []))
-                out.append(f"{_num(best.get('mean'))} ({n} seed{'s' * (n != 1)}): not judged" if best else
+                out.append(f"{_num(best.get('mean'))} ({_seeds(n)}): not judged" if best else
                            row["verdict"])
                 continue
             word = ("**beyond, better**" if row["difference"] < 0 else "**beyond, worse**") \
