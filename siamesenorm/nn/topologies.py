@@ -343,18 +343,53 @@ class SiameseFusion(nn.Module):
 
 
 # ---- Attention Residuals ------------------------------------------------------------------------------------------
-def depth_attention(sources: torch.Tensor, query: torch.Tensor, key_norm: Norm) -> torch.Tensor:
-    """AttnRes's aggregation over depth: (..., S, d) sources -> (..., d),
+def _rms_key(norm: Norm) -> Optional[Tuple[Optional[torch.Tensor], float]]:
+    """(scale or None, eps) of an RMSNorm without bias (torch's ``nn.RMSNorm``, OLMo's ``RMSLayerNorm``, OLMo-core's
+    ``RMSNorm``), the key norm of every AttnRes recipe here; None for any other norm."""
+    if type(norm).__name__ not in ("RMSNorm", "RMSLayerNorm") or getattr(norm, "bias", None) is not None:
+        return None
+    eps = getattr(norm, "eps", None)
+    return getattr(norm, "weight", None), torch.finfo(torch.float32).eps if eps is None else float(eps)
+
+
+def depth_attention(sources: torch.Tensor, query: torch.Tensor, key_norm: Norm,
+                    more: Sequence[torch.Tensor] = ()) -> torch.Tensor:
+    """AttnRes's aggregation over depth: (..., S, d) sources, and ``more`` sources (..., d) after them, -> (..., d),
 
         h = sum_i alpha_i v_i,    alpha = softmax_i( w . RMSNorm(v_i) )
 
     with ``query`` w (d,) a learned pseudo-query (zero at init: the mean of the sources), the keys the sources
-    normalised by ``key_norm``, the values the sources themselves; the softmax in fp32."""
-    if sources.shape[-2] == 1:
-        return sources[..., 0, :]
-    logits = torch.matmul(key_norm(sources).float(), query.float())
+    normalised by ``key_norm``, the values the sources themselves; the softmax in fp32.
+
+    With an RMSNorm key norm without bias (``_rms_key``; every recipe here) the logits are computed as
+    ``(v_i . (g * w)) * rsqrt(||v_i||^2 / d + eps)``, the norm's scale g folded into the query and each source's
+    rms from its norm, so the normalised copy of the sources is never written; ``sources`` may be a view of the
+    block's state and ``more`` the block's own outputs, so the sources are never stacked into a new tensor either
+    (both were most of a deep AttnRes model's step). Any other key norm is applied to the stacked sources as
+    written. The two forms are the same equation; they differ by fp32 rounding."""
+    if sources.shape[-2] + len(more) == 1:
+        return sources[..., 0, :] if sources.shape[-2] else more[0]
+    rms = _rms_key(key_norm)
+    if rms is None:
+        if more:
+            sources = torch.cat([sources, torch.stack(list(more), dim=-2)], dim=-2)
+        logits = torch.matmul(key_norm(sources).float(), query.float())
+        weights = logits.softmax(dim=-1).to(sources.dtype)
+        return torch.matmul(weights.unsqueeze(-2), sources).squeeze(-2)
+    weight, eps = rms
+    u = query.float() if weight is None else weight.float() * query.float()
+
+    def logits_of(v: torch.Tensor) -> torch.Tensor:  # (..., k, d) -> (..., k), fp32
+        mean_square = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).square() / v.shape[-1]
+        return torch.matmul(v.float(), u) * torch.rsqrt(mean_square + eps)
+
+    logits = torch.cat([logits_of(sources)] + [logits_of(m.unsqueeze(-2)) for m in more], dim=-1)
     weights = logits.softmax(dim=-1).to(sources.dtype)
-    return torch.matmul(weights.unsqueeze(-2), sources).squeeze(-2)
+    n = sources.shape[-2]
+    out = torch.matmul(weights[..., :n].unsqueeze(-2), sources).squeeze(-2)
+    for j, m in enumerate(more):
+        out = out + weights[..., n + j, None] * m
+    return out
 
 
 def attn_res_sources_at(sublayers_done: int, block_sublayers: int) -> Tuple[int, bool]:
@@ -366,22 +401,27 @@ def attn_res_sources_at(sublayers_done: int, block_sublayers: int) -> Tuple[int,
     return 1 + (sublayers_done - 1) // block_sublayers, True
 
 
-def attn_res_sublayer(completed: List[torch.Tensor], partial: Optional[torch.Tensor], index: int,
+def attn_res_sublayer(held: torch.Tensor, more: List[torch.Tensor], partial: bool, index: int,
                       block_sublayers: int, branch: Branch, *, pre_norm: Norm, query: torch.Tensor, key_norm: Norm,
-                      run: Run = _direct) -> Tuple[List[torch.Tensor], torch.Tensor]:
-    """One sublayer (0-based ``index`` over all 2L) of AttnRes: at the start of a block the partial sum becomes a
-    completed source; the sublayer reads h = depth_attention(completed sources and the partial sum) through its
-    Pre-Norm, and its output F(LN(h)) is added to the block's partial sum (started by it at a block's start).
-    ``run`` calls the cheap parts (the aggregation with its key norm, the Pre-Norm), as in ``siamese_update``."""
-    if partial is not None and index % block_sublayers == 0:
-        completed, partial = completed + [partial], None
-    sources = completed + ([partial] if partial is not None else [])
+                      run: Run = _direct) -> Tuple[torch.Tensor, List[torch.Tensor], bool]:
+    """One sublayer (0-based ``index`` over all 2L) of AttnRes. The sources are ``held`` (..., S, d) (a view of the
+    state the block received) then ``more`` (the block's own, (..., d) each); ``partial`` says whether the last
+    source is the open partial block sum. At the start of a block the partial sum becomes a completed source; the
+    sublayer reads h = depth_attention(every source) through its Pre-Norm, and its output F(LN(h)) is added to
+    the block's partial sum (started by it at a block's start). ``run`` calls the cheap parts (the aggregation
+    with its key norm, the Pre-Norm), as in ``siamese_update``. Returns (held, more, partial) after it."""
+    if partial and index % block_sublayers == 0:
+        partial = False
 
     def read(*tensors):
-        return pre_norm(depth_attention(torch.stack(tensors, dim=-2), query, key_norm))
+        return pre_norm(depth_attention(tensors[0], query, key_norm, tensors[1:]))
 
-    out = branch(run(read, *sources))
-    return completed, (out if partial is None else partial + out)
+    out = branch(run(read, held, *more))
+    if not partial:
+        return held, more + [out], True
+    if more:
+        return held, more[:-1] + [more[-1] + out], True
+    return held[..., :-1, :], [held[..., -1, :] + out], True
 
 
 # ---- hyper-connections ----------------------------------------------------------------------------------------------
@@ -493,34 +533,38 @@ class AttnResStreams(StackedStreams):
 
     def attn_res_forward(self, x: torch.Tensor, branches: Sequence[Branch], pre_norms: Sequence[Norm],
                          run: Run = _direct) -> torch.Tensor:
-        completed, partial = self.sources(x)
+        """The block: its two sublayers over the sources of ``x`` read in place (a (B, T, S, d) view), then the
+        state it passes on, ``x`` with the block's outputs after it (one copy of the state a block)."""
+        n, partial = attn_res_sources_at(self.first_sublayer, self.block_sublayers)
+        held, more = x.unsqueeze(-2) if self.is_first else x.unflatten(-1, (n + int(partial), -1)), []
         for j, (branch, pre_norm, name) in enumerate(zip(branches, pre_norms, ("attn", "ff"))):
-            completed, partial = attn_res_sublayer(
-                completed, partial, self.first_sublayer + j, self.block_sublayers, branch, pre_norm=pre_norm,
+            held, more, partial = attn_res_sublayer(
+                held, more, partial, self.first_sublayer + j, self.block_sublayers, branch, pre_norm=pre_norm,
                 query=getattr(self, name + "_query", None), key_norm=getattr(self, name + "_key_norm", None), run=run)
-        return self.finish(completed + [partial])
+        return self.finish_sources(held, more, run)
 
-    def finish(self, streams: List[torch.Tensor]) -> torch.Tensor:
+    def finish_sources(self, held: torch.Tensor, more: List[torch.Tensor], run: Run = _direct) -> torch.Tensor:
+        """End of a block: the sources concatenated on the feature axis, or, in the last block, aggregated with
+        ``out_query`` / ``out_key_norm`` (through ``run``, as the sublayers' reads)."""
         if not self.is_last:
-            return torch.cat(streams, dim=-1)
-        out = self.norm(_Aggregate(self.out_query, self.out_key_norm), torch.stack(streams, dim=-2))
+            return torch.cat([held.flatten(-2)] + more, dim=-1)
+
+        def aggregate(*tensors):
+            return depth_attention(tensors[0], self.out_query, self.out_key_norm, tensors[1:])
+
+        out = run(aggregate, held, *more)
         if self._captured is not None:
             self._captured.append([out.detach()])
         return out
+
+    def finish(self, streams: List[torch.Tensor]) -> torch.Tensor:
+        return self.finish_sources(torch.stack(streams, dim=-2), [])
 
     def state_streams(self, x: torch.Tensor) -> List[torch.Tensor]:
         """The analyses' view of the state this block receives (hidden magnitudes, massive activations): the sum
         of its sources, what Pre-Norm's residual stream would hold; one stream."""
         completed, partial = self.sources(x)
         return [sum(completed[1:] + ([partial] if partial is not None else []), completed[0])]
-
-
-class _Aggregate:
-    def __init__(self, query: torch.Tensor, key_norm: Norm):
-        self.query, self.key_norm = query, key_norm
-
-    def __call__(self, sources: torch.Tensor) -> torch.Tensor:
-        return depth_attention(sources, self.query, self.key_norm)
 
 
 def depth_connection(carried: torch.Tensor, weights: torch.Tensor, out: torch.Tensor) -> torch.Tensor:

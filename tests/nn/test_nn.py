@@ -229,3 +229,43 @@ def test_the_branch_inputs_weight_gradient_is_a_matrix_vector_product():
     assert not any(a[-2] == 1 and a[-1] == d for a, b in products), products
     torch.testing.assert_close(m.grad, (h * g.unsqueeze(-2)).sum(-1).detach(), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(h.grad, m.unsqueeze(-1).detach() * g.unsqueeze(-2), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("norm", ["torch_rms", "olmo_rms", "layer_norm"])
+def test_depth_attention_over_a_view_and_the_blocks_outputs_is_its_equation(norm):
+    """AttnRes's read h = sum_i softmax_i(w . KeyNorm(v_i)) v_i, sources given as a (..., S, d) view plus loose
+    (..., d) tensors: equal, values and every gradient, to the equation on the stacked sources. With an RMSNorm key
+    (torch's or OLMo's) the read folds the scale into the query and never normalises a copy; a LayerNorm key takes
+    the written path. A zero source (a zero-initialised branch) keeps the gradients finite."""
+    from olmo.config import LayerNormType, ModelConfig
+    from olmo.model import LayerNorm as OLMoLayerNorm
+
+    from siamesenorm.nn.topologies import _rms_key, depth_attention
+
+    torch.manual_seed(0)
+    d = 16
+    key = {"torch_rms": lambda: nn.RMSNorm(d, eps=1e-5),
+           "olmo_rms": lambda: OLMoLayerNorm.build(ModelConfig(d_model=d, layer_norm_type=LayerNormType.rms,
+                                                                      include_bias=False)),
+           "layer_norm": lambda: nn.LayerNorm(d)}[norm]()
+    with torch.no_grad():
+        for p in key.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    assert (_rms_key(key) is None) == (norm == "layer_norm")
+    state = torch.randn(2, 5, 4 * d, dtype=torch.float64).float().requires_grad_(True)
+    loose = [torch.randn(2, 5, d, requires_grad=True), torch.zeros(2, 5, d, requires_grad=True)]
+    query = torch.randn(d, requires_grad=True)
+    held = state.unflatten(-1, (4, d))[..., 1:, :]  # a view: no copy of the state
+    got = depth_attention(held, query, key, loose)
+    everything = torch.cat([held, torch.stack(loose, dim=-2)], dim=-2)
+    want = (key(everything) @ query).softmax(-1).unsqueeze(-1).mul(everything).sum(-2)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    upstream = torch.randn_like(got)
+    leaves = [state, *loose, query, *key.parameters()]
+    g_got = torch.autograd.grad(got, leaves, upstream)
+    g_want = torch.autograd.grad(want, leaves, upstream)
+    for a, b in zip(g_got, g_want):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)  # a LayerNorm's bias: zero up to rounding
+    assert g_got[0][..., :d].abs().max() == 0  # the first source was not read
+    assert depth_attention(held[..., :1, :], query, key).equal(held[..., 0, :])  # one source: itself
