@@ -352,6 +352,30 @@ def _rms_key(norm: Norm) -> Optional[Tuple[Optional[torch.Tensor], float]]:
     return getattr(norm, "weight", None), torch.finfo(torch.float32).eps if eps is None else float(eps)
 
 
+class _RMSLogits(torch.autograd.Function):
+    """The logits of an RMSNorm key without bias, z_i r_i with z_i = v_i . u and r_i = rsqrt(||v_i||^2 / d + eps):
+    (..., S, d) sources and the query u (d,) (the norm's scale folded in, fp32) -> (..., S) fp32. Its gradient is
+    one expression, dv_i = g_i r_i u - (g_i z_i r_i^3 / d) v_i (two passes over the sources' size, and one more
+    read for du = sum g_i r_i v_i), where autograd would differentiate the product and the norm apart and sum
+    their gradients (six)."""
+
+    @staticmethod
+    def forward(ctx, v: torch.Tensor, u: torch.Tensor, eps: float) -> torch.Tensor:
+        z = torch.matmul(v.float(), u)
+        r = torch.rsqrt(torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).square() / v.shape[-1] + eps)
+        ctx.save_for_backward(v, u, z, r)
+        return z * r
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        v, u, z, r = ctx.saved_tensors
+        g = g.float()
+        gz = g * r
+        dv = torch.addcmul(gz.unsqueeze(-1) * u, (-g * z * r.pow(3) / v.shape[-1]).unsqueeze(-1), v.float())
+        du = torch.matmul(gz.unsqueeze(-2), v.float()).reshape(-1, v.shape[-1]).sum(0)
+        return dv.to(v.dtype), du, None
+
+
 def depth_attention(sources: torch.Tensor, query: torch.Tensor, key_norm: Norm,
                     more: Sequence[torch.Tensor] = ()) -> torch.Tensor:
     """AttnRes's aggregation over depth: (..., S, d) sources, and ``more`` sources (..., d) after them, -> (..., d),
@@ -378,12 +402,7 @@ def depth_attention(sources: torch.Tensor, query: torch.Tensor, key_norm: Norm,
         return torch.matmul(weights.unsqueeze(-2), sources).squeeze(-2)
     weight, eps = rms
     u = query.float() if weight is None else weight.float() * query.float()
-
-    def logits_of(v: torch.Tensor) -> torch.Tensor:  # (..., k, d) -> (..., k), fp32
-        mean_square = torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).square() / v.shape[-1]
-        return torch.matmul(v.float(), u) * torch.rsqrt(mean_square + eps)
-
-    logits = torch.cat([logits_of(sources)] + [logits_of(m.unsqueeze(-2)) for m in more], dim=-1)
+    logits = torch.cat([_RMSLogits.apply(v, u, eps) for v in [sources] + [m.unsqueeze(-2) for m in more]], dim=-1)
     weights = logits.softmax(dim=-1).to(sources.dtype)
     n = sources.shape[-2]
     out = torch.matmul(weights[..., :n].unsqueeze(-2), sources).squeeze(-2)
@@ -413,10 +432,7 @@ def attn_res_sublayer(held: torch.Tensor, more: List[torch.Tensor], partial: boo
     if partial and index % block_sublayers == 0:
         partial = False
 
-    def read(*tensors):
-        return pre_norm(depth_attention(tensors[0], query, key_norm, tensors[1:]))
-
-    out = branch(run(read, held, *more))
+    out = branch(run(pre_norm, depth_attention(held, query, key_norm, more)))
     if not partial:
         return held, more + [out], True
     if more:

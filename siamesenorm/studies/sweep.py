@@ -25,7 +25,8 @@ A cell is done when ``{results}/{cell}/run.json`` says finished or diverged (bot
 cell is (re)started with the same command, which resumes from its latest checkpoint (``try_load_latest_save``).
 Each finished cell gets ``analysis.json`` (hidden-state magnitudes, stream ratios, fusion weights and logit lens,
 the depth probe: each tool's result, or why it does not apply), computed from its last checkpoint on the
-validation split; then the checkpoints are deleted unless ``--keep-checkpoints``.
+validation split, in a process of its own as the training is (a SIGTERM stops it at once, and the next sweep analyses
+the cell again without training it); then the checkpoints are deleted unless ``--keep-checkpoints``.
 """
 
 from __future__ import annotations
@@ -208,7 +209,7 @@ def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
     """Train one cell (resuming if it was cut off), keep its results, analyse it; returns its final status."""
     run_dir = Path(plan.runs) / cell.name
     out = Path(plan.results) / cell.name
-    script, checkpoints = FRAMEWORKS[plan.framework]
+    script = FRAMEWORKS[plan.framework][0]
     cmd = [sys.executable, str(ROOT / "scripts" / script), plan.recipe, f"--save_folder={run_dir}",
            "--try_load_latest_save", *plan.overrides, *cell.overrides(plan.framework)]
     env = {**os.environ, "MODEL_TYPE": cell.model_type, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
@@ -233,13 +234,17 @@ def run_cell(plan: Plan, cell: Cell, keep_checkpoints: bool = False) -> str:
         shutil.rmtree(stage)
     stage.mkdir()
     if record["status"] == "finished":
-        analyses = analyse(run_dir, plan.analysis_sequences, plan.analysis_tokens)
-        (stage / "analysis.json").write_text(json.dumps(analyses, indent=1) + "\n")
-        if cell.analyse_every is not None:
-            steps = {}
-            for ckpt in sorted(run_dir.glob(checkpoints), key=lambda p: int(p.name[4:].split("-")[0])):
-                steps[ckpt.name[4:].split("-")[0]] = analyse(ckpt, plan.analysis_sequences, plan.analysis_tokens)
-            (stage / "analysis-steps.json").write_text(json.dumps(steps, indent=1) + "\n")
+        # in a process of their own, as the training: the sweep's stop reaches them at once (they took 15 min for an
+        # mHC cell of 64 layers, which in the sweep's own process a SIGTERM could not cut short), and the next sweep
+        # reruns them (its training command finds the run at its last step and trains nothing)
+        if _stopping.is_set():  # the stop came as the training ended
+            raise CellStopped(cell.name)
+        with open(run_dir / CHILD_OUTPUT, "a") as output:
+            code = _run_child(analysis_command(plan, cell, run_dir, stage), env, output)
+        if code != 0:
+            if _stopping.is_set() and code in (-signal.SIGTERM, -signal.SIGINT):
+                raise CellStopped(cell.name)
+            raise RuntimeError(f"{cell.name}: its analyses exited {code}; see {run_dir / CHILD_OUTPUT}")
     for name in KEPT:
         if name == METRICS_NAME and (run_dir / name).is_file():  # kept compressed (a tenth of the bytes)
             compress_metrics(run_dir / name, stage / METRICS_COMPRESSED)
@@ -298,6 +303,30 @@ def stop_children(signum: int = signal.SIGTERM) -> None:
             proc.send_signal(signum)
 
 
+#: the first argument of this module run as a program: the analyses of one finished cell (``analyse_cell``)
+ANALYSE = "analyse-cell"
+
+
+def analysis_command(plan: Plan, cell: Cell, run_dir: Path, stage: Path) -> List[str]:
+    """The child process that analyses a finished cell into ``stage`` (``analyse_cell``)."""
+    checkpoints = FRAMEWORKS[plan.framework][1] if cell.analyse_every is not None else ""
+    return [sys.executable, "-m", __name__, ANALYSE, str(run_dir), str(stage), str(plan.analysis_sequences),
+            plan.analysis_tokens or "", checkpoints]
+
+
+def analyse_cell(run_dir: Path, stage: Path, max_sequences: int, tokens: Optional[str],
+                 checkpoints: Optional[str]) -> None:
+    """A finished cell's analyses into ``stage``: ``analysis.json`` from its last checkpoint, and with
+    ``checkpoints`` (a glob: the cell keeps a checkpoint every ``analyse_every`` steps) ``analysis-steps.json``."""
+    analyses = analyse(run_dir, max_sequences, tokens)
+    (stage / "analysis.json").write_text(json.dumps(analyses, indent=1) + "\n")
+    if checkpoints:
+        steps = {}
+        for ckpt in sorted(run_dir.glob(checkpoints), key=lambda p: int(p.name[4:].split("-")[0])):
+            steps[ckpt.name[4:].split("-")[0]] = analyse(ckpt, max_sequences, tokens)
+        (stage / "analysis-steps.json").write_text(json.dumps(steps, indent=1) + "\n")
+
+
 def analyse(run_dir: Path, max_sequences: int, tokens: Optional[str] = None) -> Dict:
     """Every checkpoint analysis of siamesenorm.analysis.probes on the run's last checkpoint and validation split."""
     from siamesenorm.analysis import probes as analysis
@@ -354,3 +383,7 @@ def run_plan(plan: Plan, parallel: int = 2, only: Optional[List[str]] = None, ke
             for future in done:
                 future.result()
     return outcomes
+
+
+if __name__ == "__main__" and len(sys.argv) == 7 and sys.argv[1] == ANALYSE:  # run_cell's child, not a user command
+    analyse_cell(Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5] or None, sys.argv[6] or None)

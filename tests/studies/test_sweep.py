@@ -354,3 +354,52 @@ def test_a_cell_the_sweep_stops_before_its_trainer_starts_is_stopped_not_an_erro
     monkeypatch.setattr(sweep, "_run_child", lambda cmd, env, out: subprocess.call(cmd, env=env, stdout=out))
     with pytest.raises(RuntimeError, match="training exited 3"):
         sweep.run_cell(plan, plan.cells[0])
+
+
+def test_a_sweep_stopped_while_it_analyses_a_cell_stops_at_once_and_analyses_it_on_the_next_run(tmp_path, monkeypatch):
+    """A cell's analyses run after its training (15 min for an mHC cell of 64 layers): a SIGTERM then must stop
+    them as it stops training, within seconds, leave no results folder, and the next run must analyse the cell."""
+    import threading
+    import time
+
+    from siamesenorm.studies import sweep
+
+    plan_file = tmp_path / "plan.yaml"
+    plan_file.write_text(json.dumps({
+        "recipe": str(TINY), "runs": str(tmp_path / "runs"), "results": str(tmp_path / "results"),
+        "groups": [{"methods": ["pre"], "learning_rates": [1e-2], "seeds": [1]}]}))
+    plan = load_plan(plan_file)
+    cell = plan.cells[0]
+    trained = tmp_path / "trained.py"  # a trainer whose run is at its last step: it writes a finished record
+    trained.write_text("import json, sys\n"
+                       "folder = [a.split('=', 1)[1] for a in sys.argv if a.startswith('--save_folder=')][0]\n"
+                       "open(folder + '/run.json', 'w').write(json.dumps({'status': 'finished', 'step': 6}))\n")
+    monkeypatch.setitem(sweep.FRAMEWORKS, plan.framework, (str(trained), "step*"))
+    slow = tmp_path / "slow_analyses.py"
+    slow.write_text("import time\ntime.sleep(60)\n")
+    monkeypatch.setattr(sweep, "analysis_command", lambda plan, cell, run_dir, stage: [sys.executable, str(slow)])
+    monkeypatch.setattr(sweep, "_stopping", threading.Event())
+
+    def stop_once_analysing():
+        while not any(str(slow) in proc.args for proc in list(sweep._children)):
+            time.sleep(0.02)
+        sweep.stop_children()
+
+    threading.Thread(target=stop_once_analysing, daemon=True).start()
+    t0 = time.time()
+    with pytest.raises(sweep.CellStopped):
+        sweep.run_cell(plan, cell)
+    assert time.time() - t0 < 30  # before: the analyses ran to their end in the sweep's own process
+    assert status(plan, cell) is None and not (tmp_path / "results" / cell.name).exists()
+    # the next run: the analyses run again and the results land whole; an analysis that fails is an error
+    writes = tmp_path / "analyses.py"
+    writes.write_text("import json, sys\nopen(sys.argv[1] + '/analysis.json', 'w').write(json.dumps({'done': 1}))\n")
+    monkeypatch.setattr(sweep, "_stopping", threading.Event())
+    monkeypatch.setattr(sweep, "analysis_command",
+                        lambda plan, cell, run_dir, stage: [sys.executable, str(writes), str(stage)])
+    assert sweep.run_cell(plan, cell) == "finished"
+    assert json.loads((tmp_path / "results" / cell.name / "analysis.json").read_text()) == {"done": 1}
+    assert status(plan, cell) == "finished"
+    monkeypatch.setattr(sweep, "analysis_command", lambda plan, cell, run_dir, stage: [sys.executable, "-c", "1/0"])
+    with pytest.raises(RuntimeError, match="its analyses exited 1"):
+        sweep.run_cell(plan, cell)
