@@ -361,7 +361,9 @@ class _RMSLogits(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, v: torch.Tensor, u: torch.Tensor, eps: float) -> torch.Tensor:
-        z = torch.matmul(v.float(), u)
+        # the product in the sources' own dtype (bf16 under autocast, as autocast runs the written form's product;
+        # no fp32 copy of the sources), the norm accumulated in fp32
+        z = torch.matmul(v, u.to(v.dtype)).float()
         r = torch.rsqrt(torch.linalg.vector_norm(v, dim=-1, dtype=torch.float32).square() / v.shape[-1] + eps)
         ctx.save_for_backward(v, u, z, r)
         return z * r
@@ -371,8 +373,8 @@ class _RMSLogits(torch.autograd.Function):
         v, u, z, r = ctx.saved_tensors
         g = g.float()
         gz = g * r
-        dv = torch.addcmul(gz.unsqueeze(-1) * u, (-g * z * r.pow(3) / v.shape[-1]).unsqueeze(-1), v.float())
-        du = torch.matmul(gz.unsqueeze(-2), v.float()).reshape(-1, v.shape[-1]).sum(0)
+        dv = torch.addcmul(gz.unsqueeze(-1) * u, (-g * z * r.pow(3) / v.shape[-1]).unsqueeze(-1), v)
+        du = torch.matmul(gz.unsqueeze(-2).to(v.dtype), v).float().reshape(-1, v.shape[-1]).sum(0)
         return dv.to(v.dtype), du, None
 
 
