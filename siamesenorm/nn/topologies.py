@@ -429,8 +429,9 @@ def attn_res_sublayer(held: torch.Tensor, more: List[torch.Tensor], partial: boo
     state the block received) then ``more`` (the block's own, (..., d) each); ``partial`` says whether the last
     source is the open partial block sum. At the start of a block the partial sum becomes a completed source; the
     sublayer reads h = depth_attention(every source) through its Pre-Norm, and its output F(LN(h)) is added to
-    the block's partial sum (started by it at a block's start). ``run`` calls the cheap parts (the aggregation
-    with its key norm, the Pre-Norm), as in ``siamese_update``. Returns (held, more, partial) after it."""
+    the block's partial sum (started by it at a block's start). ``run`` calls the Pre-Norm (the cheap part, as in
+    ``siamese_update``); the read itself is not recomputed in backward: it keeps O(S) scalars a token beside the
+    O(S d) state it reads in place. Returns (held, more, partial) after it."""
     if partial and index % block_sublayers == 0:
         partial = False
 
@@ -563,7 +564,8 @@ class AttnResStreams(StackedStreams):
 
     def finish_sources(self, held: torch.Tensor, more: List[torch.Tensor], run: Run = _direct) -> torch.Tensor:
         """End of a block: the sources concatenated on the feature axis, or, in the last block, aggregated with
-        ``out_query`` / ``out_key_norm`` (through ``run``, as the sublayers' reads)."""
+        ``out_query`` / ``out_key_norm`` through ``run`` (recomputed under ``recompute_cheap``, as it always was:
+        once a model, where the sublayers' reads are not)."""
         if not self.is_last:
             return torch.cat([held.flatten(-2)] + more, dim=-1)
 
@@ -576,6 +578,7 @@ class AttnResStreams(StackedStreams):
         return out
 
     def finish(self, streams: List[torch.Tensor]) -> torch.Tensor:
+        """``finish_sources`` for sources given as a list (``StackedStreams``' contract)."""
         return self.finish_sources(torch.stack(streams, dim=-2), [])
 
     def state_streams(self, x: torch.Tensor) -> List[torch.Tensor]:
