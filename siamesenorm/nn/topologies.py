@@ -357,7 +357,14 @@ class _RMSLogits(torch.autograd.Function):
     (..., S, d) sources and the query u (d,) (the norm's scale folded in, fp32) -> (..., S) fp32. Its gradient is
     one expression, dv_i = g_i r_i u - (g_i z_i r_i^3 / d) v_i (two passes over the sources' size, and one more
     read for du = sum g_i r_i v_i), where autograd would differentiate the product and the norm apart and sum
-    their gradients (six)."""
+    their gradients (six).
+
+    The same arithmetic as siamesenorm.nn.fused ``rms_project`` with one column, kept apart on purpose: this is
+    the eager form (plain torch ops, as every variant's unfused path; AttnRes has no fused path), the product in
+    the sources' dtype as autocast runs the written form's, no fp32 copy and no squared copy of the sources on any
+    device; ``rms_project`` is the fused connections' op (hc's, mHC's, under ``model.fused_streams``), whose CPU
+    fallback writes the squares (and, from bf16 sources, an fp32 copy). Every Full AttnRes record at 64 x 32 ran
+    this op."""
 
     @staticmethod
     def forward(ctx, v: torch.Tensor, u: torch.Tensor, eps: float) -> torch.Tensor:
