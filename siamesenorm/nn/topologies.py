@@ -361,10 +361,11 @@ class _RMSLogits(torch.autograd.Function):
 
     The same arithmetic as siamesenorm.nn.fused ``rms_project`` with one column, kept apart on purpose: this is
     the eager form (plain torch ops, as every variant's unfused path; AttnRes has no fused path), the product in
-    the sources' dtype as autocast runs the written form's, no fp32 copy and no squared copy of the sources on any
-    device; ``rms_project`` is the fused connections' op (hc's, mHC's, under ``model.fused_streams``), whose CPU
-    fallback writes the squares (and, from bf16 sources, an fp32 copy): through it a 64 x 32 Full AttnRes step
-    on a CPU took twice as long (the same process, alternating). Every Full AttnRes record at 64 x 32 ran this op."""
+    the sources' dtype as autocast runs the written form's and no squared copy of the sources (``vector_norm``;
+    from bf16 sources on a CPU it still writes an fp32 copy, and backward writes dv in fp32 before the cast);
+    ``rms_project`` is the fused connections' op (hc's, mHC's, under ``model.fused_streams``), whose CPU fallback
+    also writes the squares: through it a 64 x 32 Full AttnRes step (fp32) on a CPU took twice as long (the same
+    process, alternating). Every Full AttnRes record at 64 x 32 ran this op."""
 
     @staticmethod
     def forward(ctx, v: torch.Tensor, u: torch.Tensor, eps: float) -> torch.Tensor:
